@@ -1,0 +1,272 @@
+"""The `specwire` command line: serve, up, generate, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from client.sdk import Client, GenerateResult, GenerationError, stats_as_dict
+
+# Generation flags: (flag, type, help). The SDK keyword is the flag with underscores.
+GENERATION_FLAGS: list[tuple[str, Any, str]] = [
+    ("--temperature", float, "softmax temperature (≥ 0; 0 = greedy)"),
+    ("--top-k", int, "keep the k most likely tokens (0 = off)"),
+    ("--top-p", float, "nucleus: keep the smallest set with this probability, in (0, 1]"),
+    ("--min-p", float, "drop tokens below min_p × the top probability"),
+    ("--repetition-penalty", float, "CTRL repetition penalty (> 0; 1 = off)"),
+    ("--no-repeat-ngram-size", int, "forbid repeating n-grams of this size (0 = off)"),
+    ("--num-beams", int, "beams for --strategy beam / contrastive"),
+    ("--length-penalty", float, "beam score = sum log p / length^length_penalty"),
+    ("--num-return-sequences", int, "beam hypotheses to return (≤ num_beams)"),
+    ("--num-speculative-tokens", int, "γ: draft tokens per speculative round"),
+    ("--draft-confidence-threshold", float, "draft stops proposing below this top probability"),
+    ("--cd-alpha", float, "contrastive plausibility cut-off α"),
+    ("--cd-beta", float, "O'Brien & Lewis contrast weight β"),
+    ("--amateur-temperature", float, "Li et al. amateur temperature τ"),
+    ("--seed", int, "seed every random choice of the request"),
+]
+
+
+def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: int) -> None:
+    parser.add_argument("--model", help="model directory or hub id (default: the embedded demo model)")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=port, help="0 picks a free port")
+    parser.add_argument("--max-sessions", type=int, default=256, help="concurrent sessions before RESOURCE_EXHAUSTED")
+    if role == "draft":
+        parser.add_argument("--drafter", default="model", choices=["model", "ngram"])
+        parser.add_argument("--ngram-max", type=int, default=3, help="n-gram drafter: longest n-gram to match")
+        parser.add_argument("--ngram-min", type=int, default=1, help="n-gram drafter: shortest n-gram to match")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specwire", description="LLM decoding as a gRPC draft/target service pair.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run one service")
+    roles = serve.add_subparsers(dest="role", required=True)
+    _add_model_service_flags(roles.add_parser("draft", help="the draft model service"), "draft", 50052)
+    _add_model_service_flags(roles.add_parser("target", help="the target model service"), "target", 50053)
+    orch = roles.add_parser("orchestrator", help="the public Generate API")
+    orch.add_argument("--target", default="127.0.0.1:50053", help="target service address")
+    orch.add_argument("--draft", default="127.0.0.1:50052", help="draft service address ('none' for no draft)")
+    orch.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the target's)")
+    orch.add_argument("--host", default="127.0.0.1")
+    orch.add_argument("--port", type=int, default=50051)
+    orch.add_argument("--max-new-tokens-limit", type=int, default=4096)
+
+    up = commands.add_parser("up", help="run all three services until Ctrl-C / SIGTERM")
+    _add_stack_flags(up)
+
+    generate = commands.add_parser("generate", help="generate text through an orchestrator")
+    generate.add_argument("--address", default="127.0.0.1:50051")
+    prompt = generate.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
+    _add_generation_flags(generate)
+    generate.add_argument("--stream", action="store_true", help="print text as it is generated")
+    generate.add_argument("--json", action="store_true", help="print the result as JSON")
+    generate.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
+
+    demo = commands.add_parser("demo", help="start the services on the demo pair, generate, stop")
+    _add_stack_flags(demo)
+    demo.add_argument("--prompt", default="def fibonacci(n):\n")
+    demo.add_argument("--max-new-tokens", type=int, default=48)
+    return parser
+
+
+def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target-model", help="target model directory or hub id (default: demo target)")
+    parser.add_argument("--draft-model", help="draft model directory or hub id (default: demo draft)")
+    parser.add_argument("--drafter", default="model", choices=["model", "ngram"])
+    parser.add_argument("--port", type=int, default=50051, help="orchestrator port; draft on +1, target on +2")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+
+
+def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--strategy", default="greedy", help="greedy | sample | beam | speculative | contrastive")
+    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
+    parser.add_argument("--stop", action="append", help="stop string (repeatable)")
+    parser.add_argument("--early-stopping", choices=["false", "true", "never"], default=None)
+    parser.add_argument("--cd-form", choices=["obrien", "li"], default=None)
+    for flag, kind, text in GENERATION_FLAGS:
+        parser.add_argument(flag, type=kind, default=None, help=text)
+
+
+def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """SDK keywords from parsed flags (unset flags left out)."""
+    names = ["strategy", "max_new_tokens", "stop", "early_stopping", "cd_form"]
+    names += [flag[2:].replace("-", "_") for flag, _, _ in GENERATION_FLAGS]
+    kwargs = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.ignore_eos:
+        kwargs["ignore_eos"] = True
+    return kwargs
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SystemExit(f"--prompt-ids: expected comma-separated integers, got {text!r}") from None
+
+
+def _print_result(result: GenerateResult, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return
+    print(result.text)
+    for index, sequence in enumerate(result.sequences[1:], start=2):
+        print(f"--- sequence {index} (score {sequence.score:.4f})\n{sequence.text}")
+    s = result.stats
+    print(
+        f"\n[{result.finish_reason}] {s.new_tokens} tokens in {s.wall_ms:.0f} ms "
+        f"({1000 * s.new_tokens / max(s.wall_ms, 1e-9):.1f} tok/s), {s.rounds} rounds",
+        file=sys.stderr,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    kwargs = generation_kwargs(args)
+    if args.prompt_ids is not None:
+        kwargs["prompt_ids"] = _parse_ids(args.prompt_ids)
+    with Client(args.address, timeout=args.timeout) as client:
+        if args.stream and not args.json:
+            last = None
+            for delta in client.stream(args.prompt, **kwargs):
+                print(delta.text, end="", flush=True)
+                last = delta
+            if last is not None and last.stats is not None:
+                print(f"\n[{last.finish_reason}] {json.dumps(stats_as_dict(last.stats))}", file=sys.stderr)
+            return 0
+        _print_result(client.generate(args.prompt, **kwargs), args.json)
+    return 0
+
+
+def _stack_config(args: argparse.Namespace) -> Any:
+    from client.launcher import StackConfig
+
+    return StackConfig(
+        port=args.port,
+        target_model=args.target_model,
+        draft_model=args.draft_model,
+        drafter=args.drafter,
+        device=args.device,
+        dtype=args.dtype,
+    )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from client.launcher import Stack
+
+    stack = Stack(_stack_config(args))
+    stopping = {"signal": False}
+
+    def on_signal(signum: int, frame: object) -> None:
+        stopping["signal"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stack.start()
+    c = stack.config
+    print(f"orchestrator  {c.address}")
+    print(f"draft         {c.host}:{c.draft_port}")
+    print(f"target        {c.host}:{c.target_port}")
+    print("Ctrl-C stops all three.", flush=True)
+    try:
+        while not stopping["signal"]:
+            dead = stack.dead()
+            if dead:
+                print(f"{dead} service exited; stopping the others", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+    finally:
+        stack.stop()
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from client.launcher import Stack
+
+    with Stack(_stack_config(args)) as stack:
+        print("starting draft, target and orchestrator on the demo pair…", flush=True)
+        stack.start()
+        with Client(stack.config.address, timeout=120) as client:
+            runs: list[tuple[str, dict[str, Any]]] = [
+                ("greedy", {"strategy": "greedy"}),
+                ("sample (T=0.8, top-p 0.95, seed 1)", {"strategy": "sample", "temperature": 0.8, "top_p": 0.95, "seed": 1}),
+                ("beam (4 beams)", {"strategy": "beam", "num_beams": 4}),
+            ]
+            for label, kwargs in runs:
+                result = client.generate(prompt=args.prompt, max_new_tokens=args.max_new_tokens, **kwargs)
+                s = result.stats
+                print(f"\n=== {label}: {s.new_tokens} tokens, {s.wall_ms:.0f} ms, finish={result.finish_reason}")
+                print(args.prompt + result.text)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specwire.config import ModelServiceConfig, OrchestratorConfig
+
+    if args.role == "orchestrator":
+        from orchestrator.server import main as serve_orchestrator
+
+        serve_orchestrator(
+            OrchestratorConfig(
+                target=args.target,
+                draft=None if args.draft.lower() in ("", "none") else args.draft,
+                tokenizer=args.tokenizer,
+                host=args.host,
+                port=args.port,
+                max_new_tokens_limit=args.max_new_tokens_limit,
+            )
+        )
+        return 0
+    config = ModelServiceConfig(
+        role=args.role,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        host=args.host,
+        port=args.port,
+        max_sessions=args.max_sessions,
+        drafter=getattr(args, "drafter", "model"),
+        ngram_max=getattr(args, "ngram_max", 3),
+        ngram_min=getattr(args, "ngram_min", 1),
+    )
+    if args.role == "draft":
+        from draft_service.server import main as serve_draft
+
+        serve_draft(config)
+    else:
+        from target_service.server import main as serve_target
+
+        serve_target(config)
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except GenerationError as error:
+        print(f"{error.code.name}: {error.message}", file=sys.stderr)
+        return 1
+    except (RuntimeError, TimeoutError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,135 @@
+"""Run the three services as child processes (`specwire up`, `specwire demo`, benchmarks).
+
+Each child prints `READY <role> <host>:<port>` once it reports SERVING; the launcher waits for
+all three, and stops them all (SIGTERM, then SIGKILL after a grace period) on exit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    port: int = 50051
+    target_model: str | None = None
+    draft_model: str | None = None
+    drafter: str = "model"
+    device: str = "auto"
+    dtype: str = "auto"
+    host: str = "127.0.0.1"
+    extra_target_args: tuple[str, ...] = ()
+    extra_draft_args: tuple[str, ...] = ()
+    extra_orchestrator_args: tuple[str, ...] = ()
+
+    @property
+    def draft_port(self) -> int:
+        return self.port + 1
+
+    @property
+    def target_port(self) -> int:
+        return self.port + 2
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def _serve_command(role: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "client", "serve", role, *args]
+
+
+@dataclass
+class Stack:
+    config: StackConfig
+    processes: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
+    _ready: dict[str, threading.Event] = field(default_factory=dict)
+
+    def start(self, timeout: float = 600.0, log_dir: Path | None = None) -> None:
+        """Start draft and target, then the orchestrator; wait until all report READY."""
+        c = self.config
+        model_args = ["--device", c.device, "--dtype", c.dtype, "--host", c.host]
+        target_args = [*model_args, "--port", str(c.target_port), *c.extra_target_args]
+        if c.target_model:
+            target_args += ["--model", c.target_model]
+        draft_args = [*model_args, "--port", str(c.draft_port), "--drafter", c.drafter, *c.extra_draft_args]
+        if c.draft_model:
+            draft_args += ["--model", c.draft_model]
+        self._spawn("target", _serve_command("target", *target_args), log_dir)
+        self._spawn("draft", _serve_command("draft", *draft_args), log_dir)
+        self._wait(["target", "draft"], timeout)
+        orchestrator_args = [
+            "--host", c.host,
+            "--port", str(c.port),
+            "--target", f"{c.host}:{c.target_port}",
+            "--draft", f"{c.host}:{c.draft_port}",
+            *c.extra_orchestrator_args,
+        ]
+        if c.target_model:
+            orchestrator_args += ["--tokenizer", c.target_model]
+        self._spawn("orchestrator", _serve_command("orchestrator", *orchestrator_args), log_dir)
+        self._wait(["orchestrator"], timeout)
+
+    def _spawn(self, role: str, command: list[str], log_dir: Path | None) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
+        self.processes[role] = process
+        ready = self._ready[role] = threading.Event()
+        log_file = open(log_dir / f"{role}.log", "w") if log_dir else None  # noqa: SIM115 - lives with the thread
+
+        def pump() -> None:
+            assert process.stdout is not None
+            for line in process.stdout:
+                if line.startswith(f"READY {role} "):
+                    ready.set()
+                if log_file:
+                    log_file.write(line)
+                    log_file.flush()
+                elif not line.startswith("READY"):
+                    sys.stderr.write(f"[{role}] {line}")
+
+        threading.Thread(target=pump, daemon=True, name=f"log-{role}").start()
+
+    def _wait(self, roles: list[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for role in roles:
+            while not self._ready[role].wait(0.2):
+                if self.processes[role].poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"{role} service exited with code {self.processes[role].returncode} before it was ready")
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"{role} service was not ready within {timeout:.0f}s")
+
+    def dead(self) -> str | None:
+        """The role of a child that has exited, if any."""
+        for role, process in self.processes.items():
+            if process.poll() is not None:
+                return role
+        return None
+
+    def stop(self, grace: float = 10.0) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        deadline = time.monotonic() + grace
+        for process in self.processes.values():
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

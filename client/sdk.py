@@ -1,0 +1,238 @@
+"""The Python SDK: sync `Client` and asyncio `AsyncClient` over the `Orchestrator` API.
+
+Parameters are named like the CLI flags with underscores (`temperature`, `top_k`, `num_beams`,
+`ignore_eos`, `seed`, …), as in transformers' `generate`. Results are typed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import orchestrator_pb2, orchestrator_pb2_grpc
+from specwire.serving import CHANNEL_OPTIONS
+
+_STATS_FIELDS = orchestrator_pb2.GenerationStats.DESCRIPTOR.fields
+
+
+def _stats_field_type(descriptor: Any) -> Any:
+    base = float if descriptor.cpp_type in (descriptor.CPPTYPE_DOUBLE, descriptor.CPPTYPE_FLOAT) else int
+    return list[base] if descriptor.is_repeated else base  # type: ignore[valid-type]
+
+
+#: Per-request statistics, one attribute per `GenerationStats` field of the proto.
+Stats = make_dataclass(
+    "Stats",
+    [(f.name, _stats_field_type(f), field(default_factory=list) if f.is_repeated else field(default=0))
+     for f in _STATS_FIELDS],
+    frozen=True,
+)
+
+
+def _stats_from_pb(message: orchestrator_pb2.GenerationStats) -> Any:
+    values = {}
+    for f in _STATS_FIELDS:
+        value = getattr(message, f.name)
+        values[f.name] = list(value) if f.is_repeated else value
+    return Stats(**values)
+
+
+def stats_as_dict(stats: Any) -> dict[str, Any]:
+    return {f.name: getattr(stats, f.name) for f in fields(stats)}
+
+
+@dataclass(frozen=True)
+class BeamSequence:
+    """One beam hypothesis."""
+
+    token_ids: list[int]
+    text: str
+    score: float
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    token_ids: list[int]  # new tokens only
+    text: str
+    finish_reason: str  # "eos", "length" or "stop"
+    stats: Any  # Stats
+    sequences: list[BeamSequence] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "stats": stats_as_dict(self.stats),
+        }
+        if self.sequences:
+            out["sequences"] = [{"token_ids": s.token_ids, "text": s.text, "score": s.score} for s in self.sequences]
+        return out
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    token_ids: list[int]
+    text: str
+    finish_reason: str = ""  # set on the last delta
+    stats: Any = None  # Stats, on the last delta
+
+
+class GenerationError(Exception):
+    """The orchestrator refused or failed a request: `code` is the gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+_SCALAR_PARAMS = {f.name for f in orchestrator_pb2.GenerateRequest.DESCRIPTOR.fields} - {
+    "prompt",
+    "prompt_ids",
+    "strategy",
+    "stop",
+    "early_stopping",
+}
+
+
+def build_request(
+    prompt: str | None = None,
+    prompt_ids: Sequence[int] | None = None,
+    strategy: str = "greedy",
+    max_new_tokens: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    early_stopping: bool | str | None = None,
+    **params: Any,
+) -> orchestrator_pb2.GenerateRequest:
+    """A `GenerateRequest` from keyword parameters named as in transformers' `generate`."""
+    unknown = set(params) - _SCALAR_PARAMS
+    if unknown:
+        raise TypeError(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
+    request = orchestrator_pb2.GenerateRequest(strategy=strategy)
+    if prompt is not None:
+        request.prompt = prompt
+    if prompt_ids is not None:
+        request.prompt_ids.extend(prompt_ids)
+    if max_new_tokens is not None:
+        request.max_new_tokens = max_new_tokens
+    if stop is not None:
+        request.stop.extend([stop] if isinstance(stop, str) else stop)
+    if early_stopping is not None:
+        request.early_stopping = str(early_stopping).lower()
+    for name, value in params.items():
+        if value is not None:
+            setattr(request, name, value)
+    return request
+
+
+def _result_from_pb(reply: orchestrator_pb2.GenerateResponse) -> GenerateResult:
+    return GenerateResult(
+        token_ids=list(reply.token_ids),
+        text=reply.text,
+        finish_reason=reply.finish_reason,
+        stats=_stats_from_pb(reply.stats),
+        sequences=[BeamSequence(list(s.token_ids), s.text, s.score) for s in reply.sequences],
+    )
+
+
+def _delta_from_pb(delta: orchestrator_pb2.GenerateDelta) -> StreamDelta:
+    return StreamDelta(
+        token_ids=list(delta.token_ids),
+        text=delta.text,
+        finish_reason=delta.finish_reason,
+        stats=_stats_from_pb(delta.stats) if delta.HasField("stats") else None,
+    )
+
+
+def _error(error: grpc.RpcError) -> GenerationError:
+    return GenerationError(error.code(), error.details() or "")  # type: ignore[attr-defined]
+
+
+class Client:
+    """Blocking client. `Client("host:50051").generate(prompt="def f(", max_new_tokens=32)`."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
+
+    def generate(self, prompt: str | None = None, **params: Any) -> GenerateResult:
+        request = build_request(prompt, **params)
+        try:
+            return _result_from_pb(self._stub.Generate(request, timeout=self.timeout))
+        except grpc.RpcError as error:
+            raise _error(error) from None
+
+    def stream(self, prompt: str | None = None, **params: Any) -> Iterator[StreamDelta]:
+        request = build_request(prompt, **params)
+        try:
+            for delta in self._stub.GenerateStream(request, timeout=self.timeout):
+                yield _delta_from_pb(delta)
+        except grpc.RpcError as error:
+            raise _error(error) from None
+
+    def health(self) -> str:
+        """"SERVING", "NOT_SERVING", … as the standard health service reports it."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout or 5.0)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def info(self) -> orchestrator_pb2.OrchestratorInfo:
+        return self._stub.Info(orchestrator_pb2.OrchestratorInfoRequest(), timeout=self.timeout)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client with the same calls as `Client`."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
+
+    async def generate(self, prompt: str | None = None, **params: Any) -> GenerateResult:
+        request = build_request(prompt, **params)
+        try:
+            return _result_from_pb(await self._stub.Generate(request, timeout=self.timeout))
+        except grpc.aio.AioRpcError as error:
+            raise _error(error) from None
+
+    async def stream(self, prompt: str | None = None, **params: Any) -> AsyncIterator[StreamDelta]:
+        request = build_request(prompt, **params)
+        try:
+            async for delta in self._stub.GenerateStream(request, timeout=self.timeout):
+                yield _delta_from_pb(delta)
+        except grpc.aio.AioRpcError as error:
+            raise _error(error) from None
+
+    async def health(self) -> str:
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout or 5.0)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    async def info(self) -> orchestrator_pb2.OrchestratorInfo:
+        return await self._stub.Info(orchestrator_pb2.OrchestratorInfoRequest(), timeout=self.timeout)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,147 @@
+"""Beam search with transformers' semantics, over per-beam candidates from the target service.
+
+Each step the service returns, per running beam, the top-K processed log-probabilities
+(K = beams_to_keep = max(2, 1 + n_eos) · num_beams): the global top-K over beams × vocabulary
+lies within their union, so nothing else needs to cross the wire. `beam_step` is the decision,
+as in `GenerationMixin._beam_search`:
+
+- candidates: the top K of running_score + log p over all beams;
+- a candidate that hits a stop (eos, or the length limit) becomes a hypothesis only at rank
+  < num_beams, scored sum(log p) / (generated length incl. eos)^length_penalty; the best
+  num_beams hypotheses are kept;
+- the best num_beams candidates that did not stop continue;
+- `early_stopping`: True stops once num_beams hypotheses exist; False stops when the best
+  running beam at its current length cannot beat the worst hypothesis; "never" (with
+  length_penalty > 0) assumes the running beam could reach max length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import torch
+
+from orchestrator.context import BeamSequence, DecodeContext
+from specwire.session import OpenRequest, Scores, ScoreKind, Scoring, StepRequest
+
+MASKED = -1.0e9  # transformers' stand-in for -inf in beam scores
+
+
+@dataclass
+class BeamState:
+    num_beams: int
+    beams_to_keep: int
+    max_new_tokens: int
+    length_penalty: float
+    early_stopping: bool | str
+    running_scores: torch.Tensor  # [num_beams] float32
+    running_tokens: torch.Tensor  # [num_beams, generated] int64
+    finished_scores: torch.Tensor  # [num_beams] float32
+    finished_tokens: list[list[int]]
+    finished_flags: torch.Tensor  # [num_beams] bool
+    improvable: bool = True
+    generated: int = 0
+    done: bool = False
+    # What the service must do to follow: new branch i continues old branch order[i] + token i.
+    branch_order: list[int] = field(default_factory=list)
+    appended: list[int] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, num_beams: int, n_eos: int, max_new_tokens: int, length_penalty: float, early_stopping: bool | str) -> BeamState:
+        running = torch.full((num_beams,), MASKED, dtype=torch.float32)
+        running[0] = 0.0  # every beam starts as the prompt: only one may expand at first
+        return cls(
+            num_beams=num_beams,
+            beams_to_keep=max(2, 1 + n_eos) * num_beams,
+            max_new_tokens=max_new_tokens,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            running_scores=running,
+            running_tokens=torch.empty((num_beams, 0), dtype=torch.long),
+            finished_scores=torch.full((num_beams,), MASKED, dtype=torch.float32),
+            finished_tokens=[[] for _ in range(num_beams)],
+            finished_flags=torch.zeros(num_beams, dtype=torch.bool),
+        )
+
+
+def beam_step(state: BeamState, cand_ids: torch.Tensor, cand_logprobs: torch.Tensor, eos_ids: frozenset[int]) -> None:
+    """Advance `state` by one token. cand_ids, cand_logprobs: [num_beams, K] per-beam top-K."""
+    nb, keep = state.num_beams, state.beams_to_keep
+    accumulated = (cand_logprobs.float() + state.running_scores[:, None]).flatten()  # [nb·K]
+    top_scores, top_index = torch.topk(accumulated, keep)  # [keep]
+    source = top_index // cand_ids.shape[1]  # beam each candidate extends
+    tokens = cand_ids.flatten()[top_index].long()  # [keep]
+    candidate_tokens = torch.cat([state.running_tokens[source], tokens[:, None]], dim=1)  # [keep, generated+1]
+    length = state.generated + 1
+    hits = torch.tensor([int(t) in eos_ids for t in tokens]) | (length >= state.max_new_tokens)
+
+    # Hypotheses: only candidates ranked < num_beams that just stopped.
+    hypothesis = top_scores / (length**state.length_penalty)
+    if bool(state.finished_flags.all()) and state.early_stopping is True:
+        hypothesis = hypothesis + MASKED
+    if not state.improvable:
+        hypothesis = hypothesis + MASKED
+    just_finished = hits & (torch.arange(keep) < nb)
+    hypothesis = hypothesis + (~just_finished).float() * MASKED
+    merged_scores = torch.cat([state.finished_scores, hypothesis])
+    best = torch.topk(merged_scores, nb).indices.tolist()
+    merged_flags = torch.cat([state.finished_flags, just_finished])
+    state.finished_tokens = [
+        state.finished_tokens[i] if i < nb else candidate_tokens[i - nb].tolist() for i in best
+    ]
+    state.finished_scores = merged_scores[best]
+    state.finished_flags = merged_flags[best]
+
+    # Running beams: the best candidates that did not stop.
+    running = top_scores + hits.float() * MASKED
+    chosen = torch.topk(running, nb).indices
+    state.running_scores = running[chosen]
+    state.running_tokens = candidate_tokens[chosen]
+    state.branch_order = source[chosen].tolist()
+    state.appended = tokens[chosen].tolist()
+    state.generated = length
+
+    # Could a running beam still beat the worst hypothesis?
+    if state.early_stopping == "never" and state.length_penalty > 0.0:
+        best_length = state.max_new_tokens
+    else:
+        best_length = state.generated
+    best_possible = state.running_scores[0] / (best_length**state.length_penalty)
+    worst = torch.where(state.finished_flags, state.finished_scores.min(), torch.tensor(MASKED))
+    state.improvable = state.improvable and bool((best_possible > worst).any())
+    all_full = bool(state.finished_flags.all()) and state.early_stopping is True
+    state.done = not state.improvable or all_full or bool(hits.all())
+
+
+def _candidates(scores: Scores, num_beams: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if scores.sparse_ids is not None and scores.sparse_values is not None:
+        return scores.sparse_ids.view(num_beams, -1), scores.sparse_values.view(num_beams, -1)
+    assert scores.dense is not None
+    dense = scores.dense.view(num_beams, -1).float()
+    ids = torch.arange(dense.shape[1]).expand_as(dense)
+    return ids, dense
+
+
+async def beam_search(ctx: DecodeContext) -> AsyncIterator[list[int]]:
+    params = ctx.params
+    n_eos = 0 if params.ignore_eos else len(ctx.eos_token_ids)
+    eos_ids = frozenset() if params.ignore_eos else ctx.eos_token_ids
+    state = BeamState.start(params.num_beams, n_eos, params.max_new_tokens, params.length_penalty, params.early_stopping)
+    scoring = Scoring(ScoreKind.LOGPROBS, top_n=state.beams_to_keep)
+    target = ctx.target_session()
+    result = await target.open(OpenRequest(ctx.prompt_ids, params.processing, params.num_beams, scoring, ctx.trace()))
+    while True:
+        assert result.scores is not None
+        beam_step(state, *_candidates(result.scores, params.num_beams), eos_ids)
+        ctx.stats.rounds += 1
+        if state.done:
+            break
+        request = StepRequest(branch_order=state.branch_order, append_ids=state.appended, scoring=scoring, trace=ctx.trace())
+        result = await target.step(request)
+    ranked = [
+        BeamSequence(tokens, float(score))
+        for tokens, score in zip(state.finished_tokens, state.finished_scores.tolist(), strict=True)
+    ]
+    ctx.sequences = ranked[: params.num_return_sequences]
+    yield ctx.sequences[0].token_ids

@@ -1,0 +1,151 @@
+"""One generation from request to result: validate, run a strategy, apply stop conditions.
+
+`Decoder` is what the gRPC servicer calls, and what tests and benchmarks call in-process with
+`LocalModel`s. Strategies are async generators of decided tokens; closing one (a stop condition,
+a cancelled call) ends its sessions, which frees the services' KV caches.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from orchestrator import params as request_params
+from orchestrator.beam import beam_search
+from orchestrator.context import BeamSequence, DecodeContext
+from orchestrator.models import ModelHandle
+from orchestrator.output import Output
+from orchestrator.params import GenerationParams, Limits
+from orchestrator.standard import standard
+from orchestrator.stats import RunStats
+from protos import orchestrator_pb2
+from specwire.engine import tokenizer_fingerprint
+from specwire.errors import FailedPrecondition, InvalidArgument
+from specwire.session import ModelInfo
+
+Strategy = Callable[[DecodeContext], AsyncIterator[list[int]]]
+
+STRATEGIES: dict[str, Strategy] = {
+    "greedy": standard,
+    "sample": standard,
+    "beam": beam_search,
+}
+
+
+def check_compatible(target: ModelInfo, draft: ModelInfo | None, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Refuse a draft/target/tokenizer combination whose token ids would not mean the same."""
+    ours = tokenizer_fingerprint(tokenizer)
+    if target.tokenizer_fingerprint and target.tokenizer_fingerprint != ours:
+        raise FailedPrecondition(
+            f"tokenizer fingerprint differs: orchestrator's tokenizer {ours[:12]} vs target {target.tokenizer_fingerprint[:12]}"
+        )
+    if draft is None:
+        return
+    if draft.vocab_size != target.vocab_size:
+        raise FailedPrecondition(f"vocab size differs: draft {draft.vocab_size} vs target {target.vocab_size}")
+    if draft.tokenizer_fingerprint and target.tokenizer_fingerprint and draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
+        raise FailedPrecondition(
+            "tokenizer fingerprint differs: "
+            f"draft {draft.tokenizer_fingerprint[:12]} vs target {target.tokenizer_fingerprint[:12]}"
+        )
+
+
+@dataclass
+class Delta:
+    token_ids: list[int]
+    text: str
+    finish_reason: str = ""
+    sequences: list[BeamSequence] = field(default_factory=list)
+    stats: RunStats | None = None
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    sequences: list[BeamSequence]
+    stats: RunStats
+
+
+class Decoder:
+    def __init__(
+        self,
+        target: ModelHandle,
+        draft: ModelHandle | None,
+        tokenizer: PreTrainedTokenizerBase,
+        max_new_tokens_limit: int = 4096,
+        default_max_new_tokens: int = 64,
+    ) -> None:
+        check_compatible(target.info, draft.info if draft else None, tokenizer)
+        self.target = target
+        self.draft = draft
+        self.tokenizer = tokenizer
+        self.limits = Limits(
+            max_new_tokens=max_new_tokens_limit,
+            default_max_new_tokens=default_max_new_tokens,
+            max_context=target.info.max_context,
+            vocab_size=target.info.vocab_size,
+        )
+        self.eos_token_ids = frozenset(target.info.eos_token_ids)
+
+    def prepare(self, request: orchestrator_pb2.GenerateRequest) -> tuple[GenerationParams, list[int]]:
+        request_params.check_prompt(request, self.limits.vocab_size)
+        prompt_ids = list(request.prompt_ids) or self.tokenizer(request.prompt).input_ids
+        if not prompt_ids:
+            raise InvalidArgument("prompt", "tokenizes to no tokens")
+        params = request_params.parse(request, len(prompt_ids), self.limits)
+        if params.strategy not in STRATEGIES:
+            raise InvalidArgument("strategy", f"strategy {params.strategy!r} is not available on this orchestrator")
+        return params, prompt_ids
+
+    async def stream(self, request: orchestrator_pb2.GenerateRequest) -> AsyncIterator[Delta]:
+        params, prompt_ids = self.prepare(request)
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        ctx = DecodeContext(
+            params=params,
+            prompt_ids=prompt_ids,
+            target=self.target,
+            draft=self.draft,
+            eos_token_ids=self.eos_token_ids,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        ctx.stats.prompt_tokens = len(prompt_ids)
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        output = Output(self.tokenizer, eos, params.max_new_tokens, params.stop)
+        started = time.perf_counter()
+        decided = STRATEGIES[params.strategy](ctx)
+        try:
+            async for ids in decided:
+                kept = output.extend(ids)
+                if not ctx.stats.ttft_ms and kept:
+                    ctx.stats.ttft_ms = (time.perf_counter() - started) * 1e3
+                if kept and not output.done:
+                    yield Delta(kept, output.text_delta())
+                if output.done:
+                    pending_ids = kept
+                    break
+            else:
+                pending_ids = []
+                output.finish_reason = output.finish_reason or "length"
+        finally:
+            await decided.aclose()
+            await ctx.close()
+        ctx.stats.wall_ms = (time.perf_counter() - started) * 1e3
+        ctx.stats.new_tokens = len(output.token_ids)
+        yield Delta(pending_ids, output.text_delta(), output.finish_reason or "length", ctx.sequences, ctx.stats)
+
+    async def generate(self, request: orchestrator_pb2.GenerateRequest) -> Result:
+        token_ids: list[int] = []
+        text: list[str] = []
+        async for delta in self.stream(request):
+            token_ids += delta.token_ids
+            text.append(delta.text)
+            if delta.stats is not None:
+                return Result(token_ids, "".join(text), delta.finish_reason, delta.sequences, delta.stats)
+        raise AssertionError("stream ended without a final delta")

@@ -1,0 +1,174 @@
+"""Model handles the strategies use: a remote service over its `Session` stream, or an in-process
+backend for tests. Both hand out `ModelSession`s and account every call in `CallStats`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from protos import model_pb2, model_pb2_grpc
+from specwire import wire
+from specwire.errors import StatusError, Unavailable
+from specwire.serving import CHANNEL_OPTIONS
+from specwire.session import Backend, BackendSession, ModelInfo, ModelSession, OpenRequest, StepRequest, StepResult
+
+
+@dataclass
+class CallStats:
+    """One service's share of a generation: client-measured time split by the server's report."""
+
+    calls: int = 0
+    forward_calls: int = 0
+    client_ms: float = 0.0
+    compute_ms: float = 0.0
+    queue_ms: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    @property
+    def network_ms(self) -> float:
+        """Client-measured time the server did not account for: network plus serialization."""
+        return max(0.0, self.client_ms - self.compute_ms - self.queue_ms)
+
+    def record(self, elapsed_s: float, result: StepResult, sent: int, received: int) -> None:
+        self.calls += 1
+        self.forward_calls += result.timing.forward_calls
+        self.client_ms += elapsed_s * 1e3
+        self.compute_ms += result.timing.compute_us / 1e3
+        self.queue_ms += result.timing.queue_us / 1e3
+        self.bytes_sent += sent
+        self.bytes_received += received
+
+
+class ModelHandle(Protocol):
+    info: ModelInfo
+    label: str
+
+    def session(self, stats: CallStats) -> ModelSession: ...
+
+    async def close(self) -> None: ...
+
+
+def _service_error(label: str, error: grpc.aio.AioRpcError) -> StatusError:
+    """A model service's failure as the orchestrator's caller should see it."""
+    code = error.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return Unavailable(f"{label} service unavailable: {error.details()}")
+    status = StatusError(f"{label} service: {error.details()}")
+    status.code = code
+    return status
+
+
+class RemoteSession:
+    """A `ModelSession` over one bidirectional `Session` stream."""
+
+    def __init__(self, stub: model_pb2_grpc.ModelServiceStub, label: str, stats: CallStats) -> None:
+        self._stub = stub
+        self._label = label
+        self._stats = stats
+        self._call: grpc.aio.StreamStreamCall | None = None
+
+    async def open(self, request: OpenRequest) -> StepResult:
+        self._call = self._stub.Session()
+        return await self._exchange(wire.open_to_pb(request))
+
+    async def step(self, request: StepRequest) -> StepResult:
+        return await self._exchange(wire.step_to_pb(request))
+
+    async def _exchange(self, message: model_pb2.SessionRequest) -> StepResult:
+        assert self._call is not None, "open() first"
+        started = time.perf_counter()
+        try:
+            await self._call.write(message)
+            reply = await self._call.read()
+        except grpc.aio.AioRpcError as error:
+            raise _service_error(self._label, error) from error
+        if reply is grpc.aio.EOF:
+            code = await self._call.code()
+            details = await self._call.details()
+            raise _service_error(self._label, grpc.aio.AioRpcError(code, None, None, details))
+        result = wire.result_from_pb(reply)
+        self._stats.record(time.perf_counter() - started, result, message.ByteSize(), reply.ByteSize())
+        return result
+
+    async def close(self) -> None:
+        """End the stream; the service frees the KV cache when it sees the stream end."""
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+
+class RemoteModel:
+    """A model service reached over a gRPC channel."""
+
+    def __init__(self, address: str, label: str, channel: grpc.aio.Channel, info: ModelInfo) -> None:
+        self.address = address
+        self.label = label
+        self.info = info
+        self._channel = channel
+        self._stub = model_pb2_grpc.ModelServiceStub(channel)
+
+    @classmethod
+    async def connect(cls, address: str, label: str, timeout: float) -> RemoteModel:
+        """Open a channel and fetch `Info`, waiting up to `timeout` for the service to come up."""
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        stub = model_pb2_grpc.ModelServiceStub(channel)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                reply = await stub.Info(model_pb2.InfoRequest(), timeout=5.0, wait_for_ready=True)
+                return cls(address, label, channel, wire.info_from_pb(reply))
+            except grpc.aio.AioRpcError as error:
+                if time.monotonic() > deadline:
+                    await channel.close()
+                    raise _service_error(f"{label} ({address})", error) from error
+                await asyncio.sleep(0.5)
+
+    def session(self, stats: CallStats) -> ModelSession:
+        return RemoteSession(self._stub, self.label, stats)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class LocalSession:
+    """A `ModelSession` straight into an in-process backend session (tests, experiments)."""
+
+    def __init__(self, session: BackendSession, stats: CallStats) -> None:
+        self._session = session
+        self._stats = stats
+
+    async def open(self, request: OpenRequest) -> StepResult:
+        return self._timed(self._session.open, request)
+
+    async def step(self, request: StepRequest) -> StepResult:
+        return self._timed(self._session.step, request)
+
+    def _timed(self, handler: object, request: object) -> StepResult:
+        started = time.perf_counter()
+        result: StepResult = handler(request)  # type: ignore[operator]
+        self._stats.record(time.perf_counter() - started, result, 0, 0)
+        return result
+
+    async def close(self) -> None:
+        self._session.close()
+
+
+class LocalModel:
+    """An in-process backend behind the same interface as `RemoteModel`."""
+
+    def __init__(self, backend: Backend, label: str) -> None:
+        self.backend = backend
+        self.label = label
+        self.info = backend.info()
+
+    def session(self, stats: CallStats) -> ModelSession:
+        return LocalSession(self.backend.new_session(), stats)
+
+    async def close(self) -> None:
+        return None

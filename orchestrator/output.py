@@ -1,0 +1,81 @@
+"""The generated output as the user sees it: stop conditions and incremental text.
+
+Strategies hand over tokens as they are decided, possibly several at once (a speculative round);
+`Output.extend` keeps exactly those before the first stop: an eos (kept, as transformers keeps
+it), `max_new_tokens`, or the first occurrence of a stop string. With a stop string, `text` ends
+just before it and `token_ids` end with the token that completed it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass
+class Output:
+    tokenizer: PreTrainedTokenizerBase
+    eos_token_ids: frozenset[int]
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    _stop_text: str | None = None
+    _emitted_chars: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[no-any-return]
+
+    @property
+    def text(self) -> str:
+        return self._stop_text if self._stop_text is not None else self.decode(self.token_ids)
+
+    def extend(self, ids: list[int]) -> list[int]:
+        """Take the decided `ids`; return those kept (a prefix of them)."""
+        start = len(self.token_ids)
+        for token in ids:
+            if self.done:
+                break
+            self.token_ids.append(token)
+            if token in self.eos_token_ids:
+                self.finish_reason = "eos"
+            elif len(self.token_ids) >= self.max_new_tokens:
+                self.finish_reason = "length"
+        if self.stop:
+            self._check_stop(start)
+        return self.token_ids[start:]
+
+    def _check_stop(self, start: int) -> None:
+        text = self.decode(self.token_ids)
+        # Only a match that ends in the new tokens' text can be new.
+        search_from = max(0, len(self.decode(self.token_ids[:start])) - max(len(s) for s in self.stop))
+        hits = [i for i in (text.find(s, search_from) for s in self.stop) if i >= 0]
+        if not hits:
+            return
+        cut = min(hits)
+        # Keep tokens up to the one whose text completes the stop string.
+        for count in range(start + 1, len(self.token_ids) + 1):
+            prefix = self.decode(self.token_ids[:count])
+            if any(s in prefix for s in self.stop):
+                del self.token_ids[count:]
+                break
+        self._stop_text = text[:cut]
+        self.finish_reason = "stop"
+
+    def text_delta(self) -> str:
+        """Text not yet emitted. Holds back a trailing partial UTF-8 character unless done."""
+        text = self.text
+        end = len(text)
+        if not self.done:
+            while end > self._emitted_chars and text[end - 1] == REPLACEMENT_CHAR:
+                end -= 1
+        delta = text[self._emitted_chars : end]
+        self._emitted_chars = end
+        return delta

@@ -1,0 +1,135 @@
+"""The orchestrator service (`specwire serve orchestrator`): the public `Orchestrator` API."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import AsyncIterator
+
+import grpc
+
+from orchestrator.generation import STRATEGIES, Decoder, Delta, Result
+from orchestrator.context import BeamSequence
+from orchestrator.models import RemoteModel
+from protos import orchestrator_pb2, orchestrator_pb2_grpc
+from specwire import serving
+from specwire.config import OrchestratorConfig
+from specwire.engine import load_tokenizer
+from specwire.errors import FailedPrecondition, StatusError
+
+log = logging.getLogger("specwire")
+SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
+
+
+def _sequences_pb(decoder: Decoder, sequences: list[BeamSequence]) -> list[orchestrator_pb2.Sequence]:
+    return [
+        orchestrator_pb2.Sequence(
+            token_ids=s.token_ids, text=decoder.tokenizer.decode(s.token_ids, skip_special_tokens=True), score=s.score
+        )
+        for s in sequences
+    ]
+
+
+def result_to_pb(decoder: Decoder, result: Result) -> orchestrator_pb2.GenerateResponse:
+    return orchestrator_pb2.GenerateResponse(
+        token_ids=result.token_ids,
+        text=result.text,
+        finish_reason=result.finish_reason,
+        sequences=_sequences_pb(decoder, result.sequences),
+        stats=result.stats.to_pb(),
+    )
+
+
+def delta_to_pb(decoder: Decoder, delta: Delta) -> orchestrator_pb2.GenerateDelta:
+    message = orchestrator_pb2.GenerateDelta(
+        token_ids=delta.token_ids,
+        text=delta.text,
+        finish_reason=delta.finish_reason,
+        sequences=_sequences_pb(decoder, delta.sequences),
+    )
+    if delta.stats is not None:
+        message.stats.CopyFrom(delta.stats.to_pb())
+    return message
+
+
+class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
+    def __init__(self, decoder: Decoder) -> None:
+        self.decoder = decoder
+
+    async def Generate(
+        self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> orchestrator_pb2.GenerateResponse:
+        try:
+            result = await self.decoder.generate(request)
+        except StatusError as error:
+            await context.abort(error.code, error.message)
+        except Exception as error:  # a bug must not take the server down: report it as INTERNAL
+            log.exception("Generate failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+        return result_to_pb(self.decoder, result)
+
+    async def GenerateStream(
+        self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[orchestrator_pb2.GenerateDelta]:
+        try:
+            async for delta in self.decoder.stream(request):
+                yield delta_to_pb(self.decoder, delta)
+        except StatusError as error:
+            await context.abort(error.code, error.message)
+        except Exception as error:
+            log.exception("GenerateStream failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+
+    async def Info(
+        self, request: orchestrator_pb2.OrchestratorInfoRequest, context: grpc.aio.ServicerContext
+    ) -> orchestrator_pb2.OrchestratorInfo:
+        decoder = self.decoder
+        target, draft = decoder.target.info, decoder.draft.info if decoder.draft else None
+        return orchestrator_pb2.OrchestratorInfo(
+            target_model=target.model_name,
+            draft_model=draft.model_name if draft else "",
+            vocab_size=target.vocab_size,
+            max_context=target.max_context,
+            max_new_tokens_limit=decoder.limits.max_new_tokens,
+            strategies=sorted(STRATEGIES),
+            draft_capabilities=draft.capabilities if draft else [],
+            target_capabilities=target.capabilities,
+        )
+
+
+async def build_decoder(config: OrchestratorConfig) -> Decoder:
+    """Connect to the services, load the tokenizer, check they agree."""
+    connecting = [RemoteModel.connect(config.target, "target", config.connect_timeout_s)]
+    if config.draft:
+        connecting.append(RemoteModel.connect(config.draft, "draft", config.connect_timeout_s))
+    models = await asyncio.gather(*connecting)
+    target, draft = models[0], models[1] if len(models) > 1 else None
+    source = config.tokenizer or target.info.tokenizer_source
+    tokenizer = load_tokenizer(source) if source else None
+    if tokenizer is None:
+        raise FailedPrecondition(f"no tokenizer could be loaded from {source!r}; pass --tokenizer DIR_OR_HUB_ID")
+    return Decoder(target, draft, tokenizer, config.max_new_tokens_limit, config.default_max_new_tokens)
+
+
+async def run(config: OrchestratorConfig) -> None:
+    try:
+        decoder = await build_decoder(config)
+    except StatusError as error:
+        print(f"orchestrator refuses to start: {error.message}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from error
+    servicer = OrchestratorServicer(decoder)
+
+    def register(server: grpc.aio.Server) -> None:
+        orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, server)
+
+    running = await serving.start_server(register, [SERVICE_NAME], config.host, config.port)
+
+    async def ready() -> None:
+        return None
+
+    await serving.serve_until_signalled(running, [SERVICE_NAME], ready, "orchestrator", config.host, config.grace_s)
+
+
+def main(config: OrchestratorConfig) -> None:
+    asyncio.run(run(config))

@@ -1,0 +1,37 @@
+"""Typed configuration for the three services: defaults stated once, filled from one CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelServiceConfig:
+    """`specwire serve draft|target`."""
+
+    role: str  # "draft" or "target"
+    model: str | None = None  # directory or hub id; None = the embedded demo model for the role
+    device: str = "auto"
+    dtype: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 50052
+    max_sessions: int = 256
+    drafter: str = "model"  # draft only: "model" or "ngram"
+    ngram_max: int = 3  # n-gram drafter: longest n-gram matched
+    ngram_min: int = 1
+    grace_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """`specwire serve orchestrator`."""
+
+    target: str = "127.0.0.1:50053"
+    draft: str | None = "127.0.0.1:50052"
+    tokenizer: str | None = None  # directory or hub id; None = the target's `tokenizer_source`
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_new_tokens_limit: int = 4096
+    default_max_new_tokens: int = 64
+    connect_timeout_s: float = 60.0
+    grace_s: float = 10.0

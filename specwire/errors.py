@@ -1,0 +1,37 @@
+"""Errors that carry a gRPC status: raised anywhere inside, mapped to a status at the edge."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class StatusError(Exception):
+    """An error the caller should see with a specific gRPC status code."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(StatusError):
+    """A request field is out of bounds. The message starts with the field's name."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+class ResourceExhausted(StatusError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(StatusError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class FailedPrecondition(StatusError):
+    code = grpc.StatusCode.FAILED_PRECONDITION

@@ -1,0 +1,50 @@
+"""Start a model service: bind (health NOT_SERVING), load and warm up off the loop, serve."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from protos import model_pb2_grpc
+from specwire import serving
+from specwire.config import ModelServiceConfig
+from specwire.engine import CausalLM, Engine
+from specwire.model_service import SERVICE_NAME, ModelServicer
+from specwire.session import Backend
+
+log = logging.getLogger("specwire")
+
+BackendFactory = Callable[[ModelServiceConfig], Backend]
+
+
+def load_engine(config: ModelServiceConfig, default_model: str, default_name: str) -> Engine:
+    """The model named by `--model`, or the role's embedded demo model, warmed up."""
+    lm = CausalLM.load(
+        config.model or default_model,
+        device=config.device,
+        dtype=config.dtype,
+        name=config.model or default_name,
+    )
+    engine = Engine(lm, role=config.role)
+    engine.warmup()
+    return engine
+
+
+async def run(config: ModelServiceConfig, build_backend: BackendFactory) -> None:
+    servicer = ModelServicer(None, config.max_sessions)
+
+    def register(server: grpc.aio.Server) -> None:
+        model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, server)
+
+    running = await serving.start_server(register, [SERVICE_NAME], config.host, config.port)
+
+    async def ready() -> None:
+        backend = await asyncio.to_thread(build_backend, config)
+        servicer.backend = backend
+        info = backend.info()
+        log.info("%s: %s on %s (%s), vocab %d", config.role, info.model_name, info.device, info.dtype, info.vocab_size)
+
+    await serving.serve_until_signalled(running, [SERVICE_NAME], ready, config.role, config.host, config.grace_s)

@@ -1,0 +1,149 @@
+"""Logits processors and warpers: pure functions over tensors.
+
+Semantics follow Hugging Face transformers' `generate` (`generation/logits_process.py`), in its
+order: repetition penalty → no-repeat-n-gram → temperature → top-k → top-p → min-p. The same
+functions run in the model services (before anything is sent) and in tests against
+transformers' own processors, so the distribution a strategy decides on is the one the model
+produced, warped once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class ProcessingConfig:
+    """How to turn a model's logits into the scores or distribution a strategy decides on."""
+
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0
+
+    @property
+    def truncates(self) -> bool:
+        """Whether warping zeroes part of the vocabulary (so the result may travel sparse)."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def repetition_penalty(scores: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's penalty (Keskar et al. 2019) on every id already in the history.
+
+    s'(x) = s(x) / penalty if s(x) > 0 else s(x) · penalty, for x in history.
+    scores: [rows, vocab]; history: [rows, length] int64.
+    """
+    if penalty == 1.0 or history.shape[-1] == 0:
+        return scores
+    seen = torch.gather(scores, 1, history)  # [rows, length]
+    penalized = torch.where(seen < 0, seen * penalty, seen / penalty)
+    return scores.scatter(1, history, penalized)
+
+
+def banned_ngram_tokens(history: Sequence[int], ngram_size: int) -> list[int]:
+    """Tokens that would repeat an n-gram already present in `history`."""
+    if ngram_size <= 0 or len(history) < ngram_size:
+        return []
+    prefix = tuple(history[len(history) - ngram_size + 1 :])
+    banned = []
+    for start in range(len(history) - ngram_size + 1):
+        if tuple(history[start : start + ngram_size - 1]) == prefix:
+            banned.append(history[start + ngram_size - 1])
+    return banned
+
+
+def no_repeat_ngram(scores: torch.Tensor, history: torch.Tensor, ngram_size: int) -> torch.Tensor:
+    """Set to -inf every token that would complete an n-gram seen before (Paulus et al. 2017).
+
+    scores: [rows, vocab]; history: [rows, length].
+    """
+    if ngram_size <= 0 or history.shape[-1] < ngram_size:
+        return scores
+    out = scores.clone()
+    for row, tokens in enumerate(history.tolist()):
+        banned = banned_ngram_tokens(tokens, ngram_size)
+        if banned:
+            out[row, banned] = NEG_INF
+    return out
+
+
+def temperature(scores: torch.Tensor, value: float) -> torch.Tensor:
+    """s / T. T = 1 is the identity."""
+    return scores if value == 1.0 else scores / value
+
+
+def top_k(scores: torch.Tensor, k: int, min_tokens_to_keep: int = 1) -> torch.Tensor:
+    """Keep the k highest scores (ties with the k-th included), -inf elsewhere."""
+    if k <= 0:
+        return scores
+    k = min(max(k, min_tokens_to_keep), scores.shape[-1])
+    kth = torch.topk(scores, k).values[..., -1:]  # [rows, 1]
+    return scores.masked_fill(scores < kth, NEG_INF)
+
+
+def top_p(scores: torch.Tensor, p: float, min_tokens_to_keep: int = 1) -> torch.Tensor:
+    """Nucleus sampling (Holtzman et al. 2020): the smallest set whose probability reaches p.
+
+    Sorted ascending, a token goes when the cumulative probability up to it is ≤ 1 − p.
+    """
+    if p >= 1.0:
+        return scores
+    sorted_scores, order = torch.sort(scores, descending=False)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= (1 - p)
+    remove_sorted[..., -min_tokens_to_keep:] = False
+    remove = remove_sorted.scatter(1, order, remove_sorted)
+    return scores.masked_fill(remove, NEG_INF)
+
+
+def min_p(scores: torch.Tensor, p: float, min_tokens_to_keep: int = 1) -> torch.Tensor:
+    """Min-p sampling (Nguyen et al. 2024): drop tokens with prob < p · max prob."""
+    if p <= 0.0:
+        return scores
+    probs = scores.softmax(dim=-1)
+    remove = probs < p * probs.amax(dim=-1, keepdim=True)
+    keep = torch.topk(probs, min(min_tokens_to_keep, probs.shape[-1]), dim=-1).indices
+    remove.scatter_(-1, keep, False)
+    return scores.masked_fill(remove, NEG_INF)
+
+
+def apply_penalties(scores: torch.Tensor, history: torch.Tensor, config: ProcessingConfig) -> torch.Tensor:
+    """Repetition penalty then no-repeat-n-gram: the processors every strategy uses."""
+    scores = repetition_penalty(scores, history, config.repetition_penalty)
+    return no_repeat_ngram(scores, history, config.no_repeat_ngram_size)
+
+
+def apply_warpers(scores: torch.Tensor, config: ProcessingConfig) -> torch.Tensor:
+    """Temperature → top-k → top-p → min-p: the warpers only sampling uses."""
+    scores = temperature(scores, config.temperature)
+    scores = top_k(scores, config.top_k, config.min_tokens_to_keep)
+    scores = top_p(scores, config.top_p, config.min_tokens_to_keep)
+    return min_p(scores, config.min_p, config.min_tokens_to_keep)
+
+
+def greedy_scores(logits: torch.Tensor, history: torch.Tensor, config: ProcessingConfig) -> torch.Tensor:
+    """What greedy decoding takes the argmax of: penalties on the raw float32 logits."""
+    return apply_penalties(logits.float(), history, config)
+
+
+def sampling_probs(logits: torch.Tensor, history: torch.Tensor, config: ProcessingConfig) -> torch.Tensor:
+    """The distribution sampling draws from: softmax(warp(penalize(logits))). [rows, vocab]."""
+    scores = apply_warpers(apply_penalties(logits.float(), history, config), config)
+    return scores.softmax(dim=-1)
+
+
+def beam_logprobs(logits: torch.Tensor, history: torch.Tensor, config: ProcessingConfig) -> torch.Tensor:
+    """Beam search scores: the penalties applied to log-softmax, as transformers does."""
+    return apply_penalties(torch.log_softmax(logits.float(), dim=-1), history, config)

@@ -1,0 +1,116 @@
+"""Server bootstrap shared by the three services: grpc.aio, health, reflection, graceful drain.
+
+A service is SERVING on the standard health protocol only once `ready()` has run (model loaded
+and warmed up). SIGTERM or SIGINT flips health to NOT_SERVING, stops accepting calls and gives
+in-flight generations `grace` seconds to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger("specwire")
+
+# Messages carry dense distributions (vocab × positions × 4 bytes); 64 MiB covers a 256k vocab
+# at γ = 64 in float32.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Notice a dead peer on an idle stream within seconds, not at the next TCP timeout.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+SERVER_OPTIONS: list[tuple[str, int]] = CHANNEL_OPTIONS + [
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+]
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+
+
+async def start_server(
+    register: Callable[[grpc.aio.Server], None],
+    service_names: Sequence[str],
+    host: str,
+    port: int,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> RunningServer:
+    """Bind, register the services plus health and reflection, start. Health starts NOT_SERVING."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service_names) + [health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind {host}:{port}")
+    await server.start()
+    for name in ("", *service_names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return RunningServer(server, bound, health_servicer)
+
+
+async def mark_serving(running: RunningServer, service_names: Sequence[str]) -> None:
+    for name in ("", *service_names):
+        await running.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
+async def drain(running: RunningServer, grace: float) -> None:
+    """Stop taking new calls, let running ones finish within `grace` seconds."""
+    await running.health.enter_graceful_shutdown()
+    await running.server.stop(grace)
+
+
+async def serve_until_signalled(
+    running: RunningServer,
+    service_names: Sequence[str],
+    ready: Callable[[], Awaitable[None]],
+    label: str,
+    host: str,
+    grace: float = 10.0,
+) -> None:
+    """Run `ready` (load + warm up), report SERVING, and serve until SIGTERM/SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await ready()
+    await mark_serving(running, service_names)
+    # One parseable line: `specwire up` and the tests wait for it.
+    print(f"READY {label} {host}:{running.port}", flush=True)
+    await stop.wait()
+    log.info("%s draining (grace %.0fs)", label, grace)
+    await drain(running, grace)
+
+
+async def wait_for_health(address: str, timeout: float, service: str = "") -> None:
+    """Poll the standard health check until SERVING or raise TimeoutError."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"{address} did not report SERVING within {timeout:.0f}s")
+            await asyncio.sleep(0.2)

@@ -1,0 +1,149 @@
+"""The model-session interface strategies are written against, and its message types.
+
+A session is one generation's KV cache on one model service (DESIGN.md, principle 2). The
+orchestrator's strategies call `open` once and `step` per round; a step may roll back, reorder
+branches, append tokens, score positions and propose continuations. The same dataclasses travel
+over gRPC (converted in `specwire.wire`) or straight into an in-process engine in tests, so a
+strategy cannot tell the two apart.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from specwire.processing import ProcessingConfig
+
+
+class ScoreKind(enum.IntEnum):
+    """Mirrors `specwire.v1.ScoreKind`."""
+
+    NONE = 0
+    ARGMAX = 1
+    PROBS = 2
+    LOGPROBS = 3
+    LOGITS = 4
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """What to return for the last `positions` tokens of each branch."""
+
+    kind: ScoreKind = ScoreKind.NONE
+    positions: int = 1
+    top_n: int = 0
+    logits_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class OpenRequest:
+    prompt_ids: list[int]
+    processing: ProcessingConfig = field(default_factory=ProcessingConfig)
+    num_branches: int = 1
+    scoring: Scoring = field(default_factory=Scoring)
+    trace: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    keep_tokens: int | None = None
+    branch_order: list[int] = field(default_factory=list)
+    append_ids: list[int] = field(default_factory=list)  # num_branches × k, row-major
+    scoring: Scoring = field(default_factory=Scoring)
+    propose: int = 0
+    propose_greedy: bool = False
+    propose_seed: int = 0
+    propose_min_confidence: float = 0.0
+    tree_parents: list[int] = field(default_factory=list)
+    trace: dict[str, str] | None = None
+
+
+@dataclass
+class Scores:
+    """Scores for rows = branches × positions. Exactly one representation is set per kind."""
+
+    kind: ScoreKind
+    argmax_ids: torch.Tensor | None = None  # [rows] int
+    dense: torch.Tensor | None = None  # [rows, vocab]
+    sparse_ids: torch.Tensor | None = None  # [rows, k] int, -1 = padding
+    sparse_values: torch.Tensor | None = None  # [rows, k]
+
+    @property
+    def rows(self) -> int:
+        for tensor in (self.argmax_ids, self.dense, self.sparse_ids):
+            if tensor is not None:
+                return int(tensor.shape[0])
+        return 0
+
+    def to_dense(self, vocab_size: int, fill: float) -> torch.Tensor:
+        """[rows, vocab] float32; entries a sparse form left out get `fill`."""
+        if self.dense is not None:
+            return self.dense.float()
+        if self.sparse_ids is None or self.sparse_values is None:
+            raise ValueError(f"scores of kind {self.kind.name} have no distribution")
+        out = torch.full((self.sparse_ids.shape[0], vocab_size), fill, dtype=torch.float32)
+        valid = self.sparse_ids >= 0
+        rows = torch.arange(self.sparse_ids.shape[0]).unsqueeze(1).expand_as(self.sparse_ids)
+        out[rows[valid], self.sparse_ids[valid].long()] = self.sparse_values[valid].float()
+        return out
+
+
+@dataclass
+class ServerTiming:
+    queue_us: int = 0
+    compute_us: int = 0
+    forward_calls: int = 0
+
+
+@dataclass
+class StepResult:
+    scores: Scores | None = None
+    proposed_ids: torch.Tensor | None = None  # [branches, n]
+    proposal_scores: Scores | None = None
+    num_tokens: int = 0
+    timing: ServerTiming = field(default_factory=ServerTiming)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    eos_token_ids: list[int]
+    max_context: int
+    capabilities: list[str]
+    role: str
+    tokenizer_source: str = ""
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+class BackendSession(Protocol):
+    """A session inside a model service: synchronous, run on the forward-pass executor."""
+
+    def open(self, request: OpenRequest) -> StepResult: ...
+
+    def step(self, request: StepRequest) -> StepResult: ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    """What a model service serves: a causal LM engine or a model-free drafter."""
+
+    def info(self) -> ModelInfo: ...
+
+    def new_session(self) -> BackendSession: ...
+
+
+class ModelSession(Protocol):
+    """What strategies see: the async session, remote (gRPC stream) or local (in-process)."""
+
+    async def open(self, request: OpenRequest) -> StepResult: ...
+
+    async def step(self, request: StepRequest) -> StepResult: ...
+
+    async def close(self) -> None: ...

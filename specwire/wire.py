@@ -1,0 +1,260 @@
+"""The protobuf boundary: tensors as raw little-endian bytes, messages ↔ dataclasses.
+
+Every conversion between generated message classes and specwire's own types happens here, once,
+at the edge of each process (STYLE.md). Tensors cost one copy each way: `tobytes()` out,
+`torch.frombuffer` in — no per-element loops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from protos import common_pb2, model_pb2
+from specwire.processing import ProcessingConfig
+from specwire.session import (
+    ModelInfo,
+    OpenRequest,
+    Scores,
+    ScoreKind,
+    Scoring,
+    ServerTiming,
+    StepRequest,
+    StepResult,
+)
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def tensor_to_pb(tensor: torch.Tensor) -> common_pb2.Tensor:
+    """Encode a tensor (any device) as raw little-endian bytes with dtype and shape."""
+    name = _DTYPE_NAMES.get(tensor.dtype)
+    if name is None:
+        raise ValueError(f"dtype {tensor.dtype} has no wire form")
+    cpu = tensor.detach().to("cpu").contiguous()
+    # bfloat16 has no numpy dtype: ship its bits as int16.
+    raw = cpu.view(torch.int16) if cpu.dtype == torch.bfloat16 else cpu
+    return common_pb2.Tensor(dtype=name, shape=list(cpu.shape), data=raw.numpy().tobytes())
+
+
+def tensor_from_pb(message: common_pb2.Tensor) -> torch.Tensor:
+    """Decode a wire tensor without copying element by element. Raises ValueError if malformed."""
+    dtype = _DTYPES.get(message.dtype)
+    if dtype is None:
+        raise ValueError(f"unknown tensor dtype {message.dtype!r}")
+    shape = tuple(int(d) for d in message.shape)
+    count = 1
+    for dim in shape:
+        count *= dim
+    item = torch.empty((), dtype=dtype).element_size()
+    if len(message.data) != count * item:
+        raise ValueError(f"tensor data has {len(message.data)} bytes, shape {shape} needs {count * item}")
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    # bytearray: frombuffer wants a writable buffer and the message's bytes are immutable.
+    flat = torch.frombuffer(bytearray(message.data), dtype=dtype)
+    return flat.reshape(shape)
+
+
+def _optional_tensor(message: model_pb2.Scores, name: str) -> torch.Tensor | None:
+    return tensor_from_pb(getattr(message, name)) if message.HasField(name) else None
+
+
+def scores_to_pb(scores: Scores) -> model_pb2.Scores:
+    message = model_pb2.Scores(kind=int(scores.kind))
+    for name in ("argmax_ids", "dense", "sparse_ids", "sparse_values"):
+        tensor = getattr(scores, name)
+        if tensor is not None:
+            getattr(message, name).CopyFrom(tensor_to_pb(tensor))
+    return message
+
+
+def scores_from_pb(message: model_pb2.Scores) -> Scores:
+    return Scores(
+        kind=ScoreKind(message.kind),
+        argmax_ids=_optional_tensor(message, "argmax_ids"),
+        dense=_optional_tensor(message, "dense"),
+        sparse_ids=_optional_tensor(message, "sparse_ids"),
+        sparse_values=_optional_tensor(message, "sparse_values"),
+    )
+
+
+def processing_to_pb(config: ProcessingConfig) -> model_pb2.ProcessingConfig:
+    return model_pb2.ProcessingConfig(
+        repetition_penalty=config.repetition_penalty,
+        no_repeat_ngram_size=config.no_repeat_ngram_size,
+        temperature=config.temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        min_p=config.min_p,
+        min_tokens_to_keep=config.min_tokens_to_keep,
+    )
+
+
+def processing_from_pb(message: model_pb2.ProcessingConfig) -> ProcessingConfig:
+    return ProcessingConfig(
+        repetition_penalty=message.repetition_penalty,
+        no_repeat_ngram_size=message.no_repeat_ngram_size,
+        temperature=message.temperature,
+        top_k=message.top_k,
+        top_p=message.top_p,
+        min_p=message.min_p,
+        min_tokens_to_keep=max(1, message.min_tokens_to_keep),
+    )
+
+
+def scoring_to_pb(scoring: Scoring) -> model_pb2.Scoring:
+    return model_pb2.Scoring(
+        kind=int(scoring.kind),
+        positions=scoring.positions,
+        top_n=scoring.top_n,
+        logits_dtype=scoring.logits_dtype,
+    )
+
+
+def scoring_from_pb(message: model_pb2.Scoring) -> Scoring:
+    return Scoring(
+        kind=ScoreKind(message.kind),
+        positions=message.positions or 1,
+        top_n=message.top_n,
+        logits_dtype=message.logits_dtype or "float32",
+    )
+
+
+def _trace_to_pb(trace: dict[str, str] | None) -> common_pb2.TraceContext | None:
+    if not trace:
+        return None
+    return common_pb2.TraceContext(
+        traceparent=trace.get("traceparent", ""), tracestate=trace.get("tracestate", "")
+    )
+
+
+def _trace_from_pb(message: common_pb2.TraceContext) -> dict[str, str] | None:
+    if not message.traceparent:
+        return None
+    carrier = {"traceparent": message.traceparent}
+    if message.tracestate:
+        carrier["tracestate"] = message.tracestate
+    return carrier
+
+
+def open_to_pb(request: OpenRequest) -> model_pb2.SessionRequest:
+    message = model_pb2.Open(
+        prompt_ids=request.prompt_ids,
+        processing=processing_to_pb(request.processing),
+        num_branches=request.num_branches,
+        scoring=scoring_to_pb(request.scoring),
+        trace=_trace_to_pb(request.trace),
+    )
+    return model_pb2.SessionRequest(open=message)
+
+
+def step_to_pb(request: StepRequest) -> model_pb2.SessionRequest:
+    message = model_pb2.Step(
+        branch_order=request.branch_order,
+        append_ids=request.append_ids,
+        scoring=scoring_to_pb(request.scoring),
+        propose=request.propose,
+        propose_greedy=request.propose_greedy,
+        propose_seed=request.propose_seed,
+        propose_min_confidence=request.propose_min_confidence,
+        tree_parents=request.tree_parents,
+        trace=_trace_to_pb(request.trace),
+    )
+    if request.keep_tokens is not None:
+        message.keep_tokens = request.keep_tokens
+    return model_pb2.SessionRequest(step=message)
+
+
+def open_from_pb(message: model_pb2.Open) -> OpenRequest:
+    return OpenRequest(
+        prompt_ids=list(message.prompt_ids),
+        processing=processing_from_pb(message.processing),
+        num_branches=message.num_branches or 1,
+        scoring=scoring_from_pb(message.scoring),
+        trace=_trace_from_pb(message.trace),
+    )
+
+
+def step_from_pb(message: model_pb2.Step) -> StepRequest:
+    return StepRequest(
+        keep_tokens=message.keep_tokens if message.HasField("keep_tokens") else None,
+        branch_order=list(message.branch_order),
+        append_ids=list(message.append_ids),
+        scoring=scoring_from_pb(message.scoring),
+        propose=message.propose,
+        propose_greedy=message.propose_greedy,
+        propose_seed=message.propose_seed,
+        propose_min_confidence=message.propose_min_confidence,
+        tree_parents=list(message.tree_parents),
+        trace=_trace_from_pb(message.trace),
+    )
+
+
+def result_to_pb(result: StepResult) -> model_pb2.SessionReply:
+    reply = model_pb2.SessionReply(
+        num_tokens=result.num_tokens,
+        timing=common_pb2.ServerTiming(
+            queue_us=result.timing.queue_us,
+            compute_us=result.timing.compute_us,
+            forward_calls=result.timing.forward_calls,
+        ),
+    )
+    if result.scores is not None:
+        reply.scores.CopyFrom(scores_to_pb(result.scores))
+    if result.proposed_ids is not None:
+        reply.proposed_ids.CopyFrom(tensor_to_pb(result.proposed_ids.to(torch.int32)))
+    if result.proposal_scores is not None:
+        reply.proposal_scores.CopyFrom(scores_to_pb(result.proposal_scores))
+    return reply
+
+
+def result_from_pb(reply: model_pb2.SessionReply) -> StepResult:
+    return StepResult(
+        scores=scores_from_pb(reply.scores) if reply.HasField("scores") else None,
+        proposed_ids=tensor_from_pb(reply.proposed_ids) if reply.HasField("proposed_ids") else None,
+        proposal_scores=scores_from_pb(reply.proposal_scores) if reply.HasField("proposal_scores") else None,
+        num_tokens=reply.num_tokens,
+        timing=ServerTiming(
+            queue_us=reply.timing.queue_us,
+            compute_us=reply.timing.compute_us,
+            forward_calls=reply.timing.forward_calls,
+        ),
+    )
+
+
+def info_to_pb(info: ModelInfo) -> model_pb2.ModelInfo:
+    return model_pb2.ModelInfo(
+        model_name=info.model_name,
+        vocab_size=info.vocab_size,
+        tokenizer_fingerprint=info.tokenizer_fingerprint,
+        eos_token_ids=info.eos_token_ids,
+        max_context=info.max_context,
+        capabilities=info.capabilities,
+        role=info.role,
+        tokenizer_source=info.tokenizer_source,
+        device=info.device,
+        dtype=info.dtype,
+    )
+
+
+def info_from_pb(message: model_pb2.ModelInfo) -> ModelInfo:
+    return ModelInfo(
+        model_name=message.model_name,
+        vocab_size=message.vocab_size,
+        tokenizer_fingerprint=message.tokenizer_fingerprint,
+        eos_token_ids=list(message.eos_token_ids),
+        max_context=message.max_context,
+        capabilities=list(message.capabilities),
+        role=message.role,
+        tokenizer_source=message.tokenizer_source,
+        device=message.device,
+        dtype=message.dtype,
+    )

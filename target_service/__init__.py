@@ -1,0 +1,1 @@
+"""The target service: the large causal LM that scores and verifies."""

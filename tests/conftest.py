@@ -1,0 +1,77 @@
+"""Fixtures: tiny local models (Llama and GPT-2 sharing one tokenizer) and real servers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from specwire.engine import CausalLM, Engine
+from tests.harness import LoopThread, Stack, start_model_server, start_orchestrator
+from tests.tiny import build_tokenizer, save_gpt2, save_llama
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerFast:
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def llama_target_dir(models_dir: Path, tokenizer: PreTrainedTokenizerFast) -> Path:
+    return save_llama(models_dir / "llama-target", tokenizer, seed=1, layers=2, hidden=64)
+
+
+@pytest.fixture(scope="session")
+def llama_draft_dir(models_dir: Path, tokenizer: PreTrainedTokenizerFast) -> Path:
+    return save_llama(models_dir / "llama-draft", tokenizer, seed=2, layers=1, hidden=32)
+
+
+@pytest.fixture(scope="session")
+def gpt2_target_dir(models_dir: Path, tokenizer: PreTrainedTokenizerFast) -> Path:
+    return save_gpt2(models_dir / "gpt2-target", tokenizer, seed=3)
+
+
+@pytest.fixture(scope="session")
+def loop() -> Iterator[LoopThread]:
+    thread = LoopThread()
+    yield thread
+    thread.close()
+
+
+def load_engine(path: Path, role: str) -> Engine:
+    return Engine(CausalLM.load(str(path), device="cpu", dtype="float32"), role)
+
+
+def make_stack(loop: LoopThread, target_dir: Path, draft_dir: Path, **limits: object) -> Stack:
+    target = loop.run(start_model_server(load_engine(target_dir, "target")))
+    draft = loop.run(start_model_server(load_engine(draft_dir, "draft")))
+    orchestrator = loop.run(start_orchestrator(target.address, draft.address, str(target_dir), **limits))
+    return Stack(loop, target, draft, orchestrator)
+
+
+@pytest.fixture(scope="session")
+def llama_stack(loop: LoopThread, llama_target_dir: Path, llama_draft_dir: Path) -> Iterator[Stack]:
+    stack = make_stack(loop, llama_target_dir, llama_draft_dir, max_new_tokens_limit=256)
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
+def gpt2_stack(loop: LoopThread, gpt2_target_dir: Path, llama_draft_dir: Path) -> Iterator[Stack]:
+    stack = make_stack(loop, gpt2_target_dir, llama_draft_dir, max_new_tokens_limit=256)
+    yield stack
+    stack.stop()
+
+
+def hf_model(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
