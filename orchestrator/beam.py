@@ -130,15 +130,18 @@ async def beam_search(ctx: DecodeContext) -> AsyncIterator[list[int]]:
     state = BeamState.start(params.num_beams, n_eos, params.max_new_tokens, params.length_penalty, params.early_stopping)
     scoring = Scoring(ScoreKind.LOGPROBS, top_n=state.beams_to_keep)
     target = ctx.target_session()
-    result = await target.open(OpenRequest(ctx.prompt_ids, params.processing, params.num_beams, scoring, ctx.trace()))
-    while True:
+    with ctx.round(num_beams=params.num_beams):
+        result = await target.open(OpenRequest(ctx.prompt_ids, params.processing, params.num_beams, scoring, ctx.trace()))
         assert result.scores is not None
         beam_step(state, *_candidates(result.scores, params.num_beams), eos_ids)
-        ctx.stats.rounds += 1
-        if state.done:
-            break
-        request = StepRequest(branch_order=state.branch_order, append_ids=state.appended, scoring=scoring, trace=ctx.trace())
-        result = await target.step(request)
+    while not state.done:
+        with ctx.round(num_beams=params.num_beams):
+            request = StepRequest(
+                branch_order=state.branch_order, append_ids=state.appended, scoring=scoring, trace=ctx.trace()
+            )
+            result = await target.step(request)
+            assert result.scores is not None
+            beam_step(state, *_candidates(result.scores, params.num_beams), eos_ids)
     ranked = [
         BeamSequence(tokens, float(score))
         for tokens, score in zip(state.finished_tokens, state.finished_scores.tolist(), strict=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +19,17 @@ from specwire.session import ModelSession
 class BeamSequence:
     token_ids: list[int]
     score: float
+
+
+@dataclass
+class Round:
+    """One decoding round: strategies record what happened in it (drafted, accepted, …)."""
+
+    index: int
+    attributes: dict[str, object] = field(default_factory=dict)
+
+    def set(self, **attributes: object) -> None:
+        self.attributes.update(attributes)
 
 
 @dataclass
@@ -43,6 +56,13 @@ class DecodeContext:
         session = self.draft.session(self.stats.draft)
         self._sessions.append(session)
         return session
+
+    @contextmanager
+    def round(self, **attributes: object) -> Iterator[Round]:
+        """Wrap one round's service calls and decision; counts it in the statistics."""
+        current = Round(self.stats.rounds, dict(attributes))
+        self.stats.rounds += 1
+        yield current
 
     def trace(self) -> dict[str, str] | None:
         """The W3C trace context to carry in the next service message (None: tracing off)."""

@@ -9,17 +9,20 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from orchestrator.context import DecodeContext
-from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
 from orchestrator.sampling import choose
+from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
 
 
 async def standard(ctx: DecodeContext) -> AsyncIterator[list[int]]:
     scoring = Scoring(ScoreKind.PROBS if ctx.params.do_sample else ScoreKind.ARGMAX)
     target = ctx.target_session()
-    result = await target.open(OpenRequest(ctx.prompt_ids, ctx.params.processing, 1, scoring, ctx.trace()))
-    while True:
+    with ctx.round():
+        result = await target.open(OpenRequest(ctx.prompt_ids, ctx.params.processing, 1, scoring, ctx.trace()))
         assert result.scores is not None
         token = choose(result.scores, 0, ctx.generator)
-        ctx.stats.rounds += 1
+    while True:
         yield [token]
-        result = await target.step(StepRequest(append_ids=[token], scoring=scoring, trace=ctx.trace()))
+        with ctx.round():
+            result = await target.step(StepRequest(append_ids=[token], scoring=scoring, trace=ctx.trace()))
+            assert result.scores is not None
+            token = choose(result.scores, 0, ctx.generator)
