@@ -1,0 +1,46 @@
+"""The command line: JSON output, error reporting without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.harness import Stack
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def specwire(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "client", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_generate_json_has_tokens_text_reason_and_stats(llama_stack: Stack) -> None:
+    run = specwire("generate", "--address", llama_stack.address, "--prompt-ids", "5,6,7", "--max-new-tokens", "6",
+                   "--ignore-eos", "--json")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert len(out["token_ids"]) == 6 and isinstance(out["text"], str)
+    assert out["finish_reason"] == "length" and out["stats"]["new_tokens"] == 6
+
+
+def test_generate_beam_json_lists_sequences(llama_stack: Stack) -> None:
+    run = specwire("generate", "--address", llama_stack.address, "--prompt", "def add(a, b):", "--strategy", "beam",
+                   "--num-beams", "3", "--num-return-sequences", "2", "--early-stopping", "true",
+                   "--max-new-tokens", "8", "--json")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert len(out["sequences"]) == 2 and out["sequences"][0]["token_ids"] == out["token_ids"]
+    assert out["sequences"][0]["score"] >= out["sequences"][1]["score"]
+
+
+def test_generate_error_prints_status_and_message_without_traceback(llama_stack: Stack) -> None:
+    run = specwire("generate", "--address", llama_stack.address, "--prompt", "x", "--top-p", "1.5")
+    assert run.returncode != 0
+    assert run.stderr.startswith("INVALID_ARGUMENT: top_p:") and "Traceback" not in run.stderr
+
+
+def test_unreachable_orchestrator_is_unavailable() -> None:
+    run = specwire("generate", "--address", "127.0.0.1:1", "--prompt", "x", "--timeout", "10")
+    assert run.returncode != 0 and run.stderr.startswith("UNAVAILABLE") and "Traceback" not in run.stderr

@@ -1,0 +1,58 @@
+"""Strategies run the same against in-process models as over gRPC; the async SDK agrees too."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from client import AsyncClient, Client
+from client.sdk import build_request
+from orchestrator.generation import Decoder
+from orchestrator.models import LocalModel
+from specwire.engine import load_tokenizer
+from tests.conftest import load_engine
+from tests.harness import Stack
+
+
+@pytest.fixture(scope="module")
+def local_decoder(llama_target_dir: Path, llama_draft_dir: Path) -> Decoder:
+    tokenizer = load_tokenizer(str(llama_target_dir))
+    assert tokenizer is not None
+    return Decoder(
+        LocalModel(load_engine(llama_target_dir, "target"), "target"),
+        LocalModel(load_engine(llama_draft_dir, "draft"), "draft"),
+        tokenizer,
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"strategy": "greedy", "repetition_penalty": 1.2},
+        {"strategy": "sample", "seed": 3, "top_p": 0.9},
+        {"strategy": "beam", "num_beams": 3, "num_return_sequences": 2},
+    ],
+)
+def test_in_process_strategy_equals_grpc(local_decoder: Decoder, llama_stack: Stack, kwargs: dict[str, Any]) -> None:
+    request = build_request(prompt="for i in range(10):", max_new_tokens=16, **kwargs)
+    local = asyncio.run(local_decoder.generate(request))
+    remote = Client(llama_stack.address).generate(prompt="for i in range(10):", max_new_tokens=16, **kwargs)
+    assert local.token_ids == remote.token_ids and local.text == remote.text
+    assert [s.token_ids for s in local.sequences] == [s.token_ids for s in remote.sequences]
+
+
+def test_async_client_matches_sync(llama_stack: Stack) -> None:
+    async def run() -> tuple[Any, list[int], str, str]:
+        async with AsyncClient(llama_stack.address) as client:
+            result = await client.generate(prompt="import os", max_new_tokens=10, ignore_eos=True)
+            streamed = [t async for d in client.stream(prompt="import os", max_new_tokens=10, ignore_eos=True) for t in d.token_ids]
+            return result, streamed, await client.health(), (await client.info()).target_model
+
+    result, streamed, health, target_model = asyncio.run(run())
+    sync = Client(llama_stack.address)
+    assert result.token_ids == streamed == sync.generate(prompt="import os", max_new_tokens=10, ignore_eos=True).token_ids
+    assert health == "SERVING" == sync.health()
+    assert target_model.endswith("llama-target")

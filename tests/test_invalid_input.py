@@ -1,0 +1,91 @@
+"""Every bad field gets INVALID_ARGUMENT naming it; the servers keep serving and leak nothing."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from client import Client, GenerationError
+from tests.harness import Stack
+
+CASES: list[tuple[dict[str, Any], str]] = [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "x", "prompt_ids": [1]}, "prompt"),
+    ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens"),
+    ({"prompt": "x", "max_new_tokens": -3}, "max_new_tokens"),
+    ({"prompt": "x", "max_new_tokens": 100_000}, "max_new_tokens"),
+    ({"prompt": "x", "temperature": -0.5}, "temperature"),
+    ({"prompt": "x", "temperature": float("nan")}, "temperature"),
+    ({"prompt": "x", "top_p": 0.0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "top_k": -1}, "top_k"),
+    ({"prompt": "x", "min_p": 2.0}, "min_p"),
+    ({"prompt": "x", "repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"prompt": "x", "no_repeat_ngram_size": -2}, "no_repeat_ngram_size"),
+    ({"prompt": "x", "strategy": "beam", "num_beams": 0}, "num_beams"),
+    ({"prompt": "x", "strategy": "beam", "num_beams": 2, "num_return_sequences": 3}, "num_return_sequences"),
+    ({"prompt": "x", "strategy": "beam", "early_stopping": "sometimes"}, "early_stopping"),
+    ({"prompt": "x", "strategy": "nucleus"}, "strategy"),
+    ({"prompt_ids": [1, 2, 10_000]}, "prompt_ids"),
+    ({"prompt_ids": [-1]}, "prompt_ids"),
+    ({"prompt_ids": [1] * 500, "max_new_tokens": 100}, "max_new_tokens"),  # over the 512-token context
+    ({"prompt": "x", "strategy": "speculative", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "field"), CASES, ids=[f"{f}-{i}" for i, (_, f) in enumerate(CASES)])
+def test_bad_field_is_invalid_argument_naming_it(llama_stack: Stack, kwargs: dict[str, Any], field: str) -> None:
+    client = Client(llama_stack.address)
+    with pytest.raises(GenerationError) as caught:
+        client.generate(**kwargs)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.message.startswith(f"{field}:"), caught.value.message
+
+
+def test_bad_fields_on_the_stream_too(llama_stack: Stack) -> None:
+    with pytest.raises(GenerationError) as caught:
+        list(Client(llama_stack.address).stream(prompt="x", top_k=-1))
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT and caught.value.message.startswith("top_k:")
+
+
+def wait_for_no_sessions(stack: Stack, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while stack.target.servicer.active_sessions or stack.draft.servicer.active_sessions:
+        assert time.monotonic() < deadline, "sessions were not freed"
+        time.sleep(0.05)
+
+
+def test_hundred_invalid_requests_then_a_valid_one_succeeds(llama_stack: Stack) -> None:
+    client = Client(llama_stack.address)
+    for index in range(100):
+        kwargs, field = CASES[index % len(CASES)]
+        with pytest.raises(GenerationError) as caught:
+            client.generate(**kwargs)
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT and caught.value.message.startswith(f"{field}:")
+    result = client.generate(prompt="def add(a, b):", max_new_tokens=8, ignore_eos=True)
+    assert len(result.token_ids) == 8
+    wait_for_no_sessions(llama_stack)
+
+
+def test_cancelled_stream_frees_the_kv_cache(llama_stack: Stack) -> None:
+    client = Client(llama_stack.address)
+    stream = client.stream(prompt="def", max_new_tokens=200, ignore_eos=True)
+    next(stream)
+    assert llama_stack.target.servicer.active_sessions == 1
+    stream.close()  # the client goes away mid-generation
+    wait_for_no_sessions(llama_stack)
+    assert len(client.generate(prompt="def", max_new_tokens=4, ignore_eos=True).token_ids) == 4
+
+
+def test_other_sessions_go_on_while_one_fails(llama_stack: Stack) -> None:
+    client = Client(llama_stack.address)
+    running = client.stream(prompt="import os", max_new_tokens=30, ignore_eos=True)
+    first = next(running)
+    with pytest.raises(GenerationError):
+        client.generate(prompt="x", top_p=7.0)
+    rest = [t for d in running for t in d.token_ids]
+    assert len(first.token_ids) + len(rest) == 30

@@ -1,0 +1,109 @@
+"""Every processor equals transformers' own on random logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from specwire import processing
+from specwire.processing import ProcessingConfig
+
+VOCAB = 50
+
+
+@pytest.fixture
+def logits() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(6, VOCAB, generator=generator) * 3
+
+
+@pytest.fixture
+def history() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    # Few distinct ids so n-grams repeat.
+    return torch.randint(0, 8, (6, 30), generator=generator)
+
+
+@pytest.mark.parametrize("penalty", [0.7, 1.0, 1.3, 2.0])
+def test_repetition_penalty_matches_transformers(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> None:
+    expected = RepetitionPenaltyLogitsProcessor(penalty)(history, logits.clone())
+    assert torch.equal(processing.repetition_penalty(logits, history, penalty), expected)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative() -> None:
+    scores = torch.tensor([[2.0, -2.0, 1.0]])
+    out = processing.repetition_penalty(scores, torch.tensor([[0, 1]]), 2.0)
+    assert out.tolist() == [[1.0, -4.0, 1.0]]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_no_repeat_ngram_matches_transformers(logits: torch.Tensor, history: torch.Tensor, size: int) -> None:
+    expected = NoRepeatNGramLogitsProcessor(size)(history, logits.clone())
+    actual = processing.no_repeat_ngram(logits, history, size)
+    assert torch.equal(actual, expected)
+    if size <= 3:  # this history repeats its short n-grams: something was banned
+        assert bool(torch.isinf(actual).any())
+
+
+@pytest.mark.parametrize("value", [0.3, 1.0, 1.7])
+def test_temperature_matches_transformers(logits: torch.Tensor, history: torch.Tensor, value: float) -> None:
+    expected = TemperatureLogitsWarper(value)(history, logits.clone())
+    assert torch.equal(processing.temperature(logits, value), expected)
+
+
+@pytest.mark.parametrize("k", [1, 5, 49, 50, 80])
+def test_top_k_matches_transformers(logits: torch.Tensor, history: torch.Tensor, k: int) -> None:
+    expected = TopKLogitsWarper(k)(history, logits.clone())
+    assert torch.equal(processing.top_k(logits, k), expected)
+
+
+@pytest.mark.parametrize(("p", "keep"), [(0.05, 1), (0.5, 1), (0.9, 1), (0.9, 3), (1.0, 1)])
+def test_top_p_matches_transformers(logits: torch.Tensor, history: torch.Tensor, p: float, keep: int) -> None:
+    expected = TopPLogitsWarper(p, min_tokens_to_keep=keep)(history, logits.clone())
+    assert torch.equal(processing.top_p(logits, p, keep), expected)
+
+
+@pytest.mark.parametrize(("p", "keep"), [(0.01, 1), (0.1, 1), (0.5, 2), (1.0, 1)])
+def test_min_p_matches_transformers(logits: torch.Tensor, history: torch.Tensor, p: float, keep: int) -> None:
+    expected = MinPLogitsWarper(p, min_tokens_to_keep=keep)(history, logits.clone())
+    assert torch.equal(processing.min_p(logits, p, keep), expected)
+
+
+def test_full_pipeline_matches_transformers_in_its_order(logits: torch.Tensor, history: torch.Tensor) -> None:
+    config = ProcessingConfig(
+        repetition_penalty=1.2, no_repeat_ngram_size=2, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05
+    )
+    scores = logits.clone()
+    for processor in (
+        RepetitionPenaltyLogitsProcessor(1.2),
+        NoRepeatNGramLogitsProcessor(2),
+        TemperatureLogitsWarper(0.8),
+        TopKLogitsWarper(20),
+        TopPLogitsWarper(0.9),
+        MinPLogitsWarper(0.05),
+    ):
+        scores = processor(history, scores)
+    assert torch.allclose(processing.sampling_probs(logits, history, config), scores.softmax(-1), atol=0, rtol=0)
+
+
+def test_beam_logprobs_penalize_log_softmax(logits: torch.Tensor, history: torch.Tensor) -> None:
+    config = ProcessingConfig(repetition_penalty=1.5, no_repeat_ngram_size=3)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    expected = NoRepeatNGramLogitsProcessor(3)(history, RepetitionPenaltyLogitsProcessor(1.5)(history, log_probs))
+    assert torch.equal(processing.beam_logprobs(logits, history, config), expected)
+
+
+def test_truncates_reports_whether_warping_cuts_the_vocabulary() -> None:
+    assert not ProcessingConfig().truncates
+    assert not ProcessingConfig(temperature=0.5, repetition_penalty=1.3).truncates
+    assert ProcessingConfig(top_k=5).truncates
+    assert ProcessingConfig(top_p=0.9).truncates
+    assert ProcessingConfig(min_p=0.1).truncates
