@@ -49,14 +49,16 @@ class ModelServer:
         return f"127.0.0.1:{self.running.port}"
 
 
-async def start_model_server(backend: Backend) -> ModelServer:
+async def start_model_server(backend: Backend | None) -> ModelServer:
+    """A model service on a free port; `None` leaves it as it is while its model loads."""
     servicer = ModelServicer(backend)
 
     def register(server: grpc.aio.Server) -> None:
         model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, server)
 
     running = await serving.start_server(register, [MODEL_SERVICE], "127.0.0.1", 0)
-    await serving.mark_serving(running, [MODEL_SERVICE])
+    if backend is not None:
+        await serving.mark_serving(running, [MODEL_SERVICE])
     return ModelServer(servicer, running)
 
 
