@@ -2,6 +2,11 @@
 
 Parameters are named like the CLI flags with underscores (`temperature`, `top_k`, `num_beams`,
 `ignore_eos`, `seed`, …), as in transformers' `generate`. Results are typed.
+
+Tracing: when the calling process has set up OpenTelemetry (a global tracer provider), each call
+is a client span, child of the caller's current span, and its W3C context travels in the call's
+metadata, so the orchestrator's root span — and with it the whole generation — joins the
+caller's trace. Without a provider this costs a no-op span per call.
 """
 
 from __future__ import annotations
@@ -12,8 +17,11 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind
 
 from protos import orchestrator_pb2, orchestrator_pb2_grpc
+from specwire import telemetry
 from specwire.serving import CHANNEL_OPTIONS
 
 _STATS_FIELDS = orchestrator_pb2.GenerationStats.DESCRIPTOR.fields
@@ -153,6 +161,21 @@ def _error(error: grpc.RpcError) -> GenerationError:
     return GenerationError(error.code(), error.details() or "")  # type: ignore[attr-defined]
 
 
+def _client_span(method: str) -> tuple[Span, list[tuple[str, str]] | None]:
+    """A client span for one call under the current span, and the metadata that carries it
+    (None when the span is a no-op: no tracer provider in this process)."""
+    span = trace.get_tracer("specwire.client").start_span(f"specwire.Orchestrator/{method}", kind=SpanKind.CLIENT)
+    if not span.get_span_context().is_valid:  # no provider: pass on whatever context is current
+        return span, telemetry.current_metadata()
+    return span, list(telemetry.carrier(span).items())
+
+
+def _end(span: Span, error: BaseException | None = None) -> None:
+    if error is not None:
+        telemetry.record_error(span, error)
+    span.end()
+
+
 class Client:
     """Blocking client. `Client("host:50051").generate(prompt="def f(", max_new_tokens=32)`."""
 
@@ -164,18 +187,28 @@ class Client:
 
     def generate(self, prompt: str | None = None, **params: Any) -> GenerateResult:
         request = build_request(prompt, **params)
+        span, metadata = _client_span("Generate")
         try:
-            return _result_from_pb(self._stub.Generate(request, timeout=self.timeout))
+            reply = self._stub.Generate(request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as error:
-            raise _error(error) from None
+            failure = _error(error)
+            _end(span, failure)
+            raise failure from None
+        _end(span)
+        return _result_from_pb(reply)
 
     def stream(self, prompt: str | None = None, **params: Any) -> Iterator[StreamDelta]:
         request = build_request(prompt, **params)
+        span, metadata = _client_span("GenerateStream")
+        failure: GenerationError | None = None
         try:
-            for delta in self._stub.GenerateStream(request, timeout=self.timeout):
+            for delta in self._stub.GenerateStream(request, timeout=self.timeout, metadata=metadata):
                 yield _delta_from_pb(delta)
         except grpc.RpcError as error:
-            raise _error(error) from None
+            failure = _error(error)
+            raise failure from None
+        finally:
+            _end(span, failure)
 
     def health(self) -> str:
         """"SERVING", "NOT_SERVING", … as the standard health service reports it."""
@@ -184,7 +217,9 @@ class Client:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     def info(self) -> orchestrator_pb2.OrchestratorInfo:
-        return self._stub.Info(orchestrator_pb2.OrchestratorInfoRequest(), timeout=self.timeout)
+        return self._stub.Info(
+            orchestrator_pb2.OrchestratorInfoRequest(), timeout=self.timeout, metadata=telemetry.current_metadata()
+        )
 
     def close(self) -> None:
         self._channel.close()
@@ -207,18 +242,28 @@ class AsyncClient:
 
     async def generate(self, prompt: str | None = None, **params: Any) -> GenerateResult:
         request = build_request(prompt, **params)
+        span, metadata = _client_span("Generate")
         try:
-            return _result_from_pb(await self._stub.Generate(request, timeout=self.timeout))
+            reply = await self._stub.Generate(request, timeout=self.timeout, metadata=metadata)
         except grpc.aio.AioRpcError as error:
-            raise _error(error) from None
+            failure = _error(error)
+            _end(span, failure)
+            raise failure from None
+        _end(span)
+        return _result_from_pb(reply)
 
     async def stream(self, prompt: str | None = None, **params: Any) -> AsyncIterator[StreamDelta]:
         request = build_request(prompt, **params)
+        span, metadata = _client_span("GenerateStream")
+        failure: GenerationError | None = None
         try:
-            async for delta in self._stub.GenerateStream(request, timeout=self.timeout):
+            async for delta in self._stub.GenerateStream(request, timeout=self.timeout, metadata=metadata):
                 yield _delta_from_pb(delta)
         except grpc.aio.AioRpcError as error:
-            raise _error(error) from None
+            failure = _error(error)
+            raise failure from None
+        finally:
+            _end(span, failure)
 
     async def health(self) -> str:
         stub = health_pb2_grpc.HealthStub(self._channel)
@@ -226,7 +271,9 @@ class AsyncClient:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     async def info(self) -> orchestrator_pb2.OrchestratorInfo:
-        return await self._stub.Info(orchestrator_pb2.OrchestratorInfoRequest(), timeout=self.timeout)
+        return await self._stub.Info(
+            orchestrator_pb2.OrchestratorInfoRequest(), timeout=self.timeout, metadata=telemetry.current_metadata()
+        )
 
     async def close(self) -> None:
         await self._channel.close()

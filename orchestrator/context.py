@@ -1,17 +1,27 @@
-"""What a strategy gets to work with: parameters, prompt, model handles, generator, statistics."""
+"""What a strategy gets to work with: parameters, prompt, model handles, generator, statistics.
+
+`DecodeContext.round()` is where every round is observed: counted in the statistics, traced as
+a span under the generation's root span (with the strategy's own attributes — γ, drafted,
+accepted — and the round's time split by part, measured without clock sync), and fed to the
+metrics. `trace()` hands strategies the context their service messages carry.
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from opentelemetry.trace import Span
 
-from orchestrator.models import ModelHandle
+from orchestrator.models import CallStats, ModelHandle
 from orchestrator.params import GenerationParams
 from orchestrator.stats import RunStats
+from specwire import telemetry
 from specwire.errors import FailedPrecondition
+from specwire.metrics import OrchestratorMetrics
 from specwire.session import ModelSession
 
 
@@ -32,6 +42,85 @@ class Round:
         self.attributes.update(attributes)
 
 
+@dataclass(frozen=True)
+class ServiceTotals:
+    """A snapshot of one service's `CallStats`; the difference of two is a round's share."""
+
+    calls: int = 0
+    client_ms: float = 0.0
+    compute_ms: float = 0.0
+    queue_ms: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    @classmethod
+    def of(cls, stats: CallStats) -> ServiceTotals:
+        return cls(stats.calls, stats.client_ms, stats.compute_ms, stats.queue_ms, stats.bytes_sent, stats.bytes_received)
+
+    def since(self, before: ServiceTotals) -> ServiceTotals:
+        return ServiceTotals(
+            self.calls - before.calls,
+            self.client_ms - before.client_ms,
+            self.compute_ms - before.compute_ms,
+            self.queue_ms - before.queue_ms,
+            self.bytes_sent - before.bytes_sent,
+            self.bytes_received - before.bytes_received,
+        )
+
+    @property
+    def network_ms(self) -> float:
+        """Client-measured time the server did not account for: network plus serialization."""
+        return max(0.0, self.client_ms - self.compute_ms - self.queue_ms)
+
+
+@dataclass(frozen=True)
+class RoundBreakdown:
+    """Where one round's wall time went. Without parallel calls the parts add up to `wall_ms`:
+    draft compute + target compute + queue + network + orchestrator."""
+
+    wall_ms: float
+    waiting_ms: float  # at least one service call outstanding
+    target: ServiceTotals
+    draft: ServiceTotals
+
+    @property
+    def orchestrator_ms(self) -> float:
+        return max(0.0, self.wall_ms - self.waiting_ms)
+
+    def parts_ms(self) -> dict[str, float]:
+        """The round's latency by part, keyed as `specwire.metrics.ROUND_PARTS`."""
+        return {
+            "draft": self.draft.compute_ms,
+            "target": self.target.compute_ms,
+            "queue": self.draft.queue_ms + self.target.queue_ms,
+            "network": self.draft.network_ms + self.target.network_ms,
+            "orchestrator": self.orchestrator_ms,
+        }
+
+    def span_attributes(self) -> dict[str, float | int]:
+        attributes: dict[str, float | int] = {
+            "specwire.round.wall_ms": self.wall_ms,
+            "specwire.round.waiting_ms": self.waiting_ms,
+            "specwire.round.orchestrator_ms": self.orchestrator_ms,
+            "specwire.round.bytes_sent": self.target.bytes_sent + self.draft.bytes_sent,
+            "specwire.round.bytes_received": self.target.bytes_received + self.draft.bytes_received,
+        }
+        for label, totals in (("target", self.target), ("draft", self.draft)):
+            prefix = f"specwire.round.{label}"
+            attributes[f"{prefix}.calls"] = totals.calls
+            attributes[f"{prefix}.compute_ms"] = totals.compute_ms
+            attributes[f"{prefix}.queue_ms"] = totals.queue_ms
+            attributes[f"{prefix}.network_ms"] = totals.network_ms
+            attributes[f"{prefix}.bytes_sent"] = totals.bytes_sent
+            attributes[f"{prefix}.bytes_received"] = totals.bytes_received
+        return attributes
+
+
+def _span_value(value: object) -> str | bool | int | float:
+    """A round attribute as a span attribute value (those are primitives)."""
+    return value if isinstance(value, (str, bool, int, float)) else str(value)
+
+
 @dataclass
 class DecodeContext:
     params: GenerationParams
@@ -44,6 +133,12 @@ class DecodeContext:
     # Beam search leaves its finished hypotheses here, best first.
     sequences: list[BeamSequence] = field(default_factory=list)
     _sessions: list[ModelSession] = field(default_factory=list)
+    # Observability, all None when off: the generation's tracer and root span, the metrics.
+    tracing: telemetry.Tracing | None = None
+    root_span: Span | None = None
+    metrics: OrchestratorMetrics | None = None
+    _round_span: Span | None = None
+    _carrier: dict[str, str] | None = None
 
     def target_session(self) -> ModelSession:
         session = self.target.session(self.stats.target)
@@ -59,14 +154,67 @@ class DecodeContext:
 
     @contextmanager
     def round(self, **attributes: object) -> Iterator[Round]:
-        """Wrap one round's service calls and decision; counts it in the statistics."""
+        """Wrap one round's service calls and decision: counts it in the statistics and, when on,
+        traces it as a span under the root and records its latency parts in the metrics."""
         current = Round(self.stats.rounds, dict(attributes))
         self.stats.rounds += 1
-        yield current
+        if self.tracing is None and self.metrics is None:
+            yield current
+            return
+        strategy = self.params.strategy
+        target_before, draft_before = ServiceTotals.of(self.stats.target), ServiceTotals.of(self.stats.draft)
+        clock = self.stats.target.clock
+        waiting_before = clock.elapsed_s()
+        span = None
+        if self.tracing is not None:
+            span = self.tracing.start_span(
+                "round",
+                telemetry.parent(self.root_span),
+                attributes={"specwire.strategy": strategy, "specwire.round.index": current.index},
+            )
+            self._round_span, self._carrier = span, None
+        started = time.perf_counter()
+        try:
+            yield current
+        except Exception as error:
+            if span is not None:
+                telemetry.record_error(span, error)
+            raise
+        finally:
+            breakdown = RoundBreakdown(
+                wall_ms=(time.perf_counter() - started) * 1e3,
+                waiting_ms=(clock.elapsed_s() - waiting_before) * 1e3,
+                target=ServiceTotals.of(self.stats.target).since(target_before),
+                draft=ServiceTotals.of(self.stats.draft).since(draft_before),
+            )
+            if span is not None:
+                self._round_span, self._carrier = None, None
+                span.set_attributes({f"specwire.round.{k}": _span_value(v) for k, v in current.attributes.items()})
+                span.set_attributes(breakdown.span_attributes())
+                span.end()
+            if self.metrics is not None:
+                drafted, accepted = current.attributes.get("drafted"), current.attributes.get("accepted")
+                self.metrics.round_finished(
+                    strategy,
+                    breakdown.wall_ms / 1e3,
+                    {part: ms / 1e3 for part, ms in breakdown.parts_ms().items()},
+                    {
+                        "target": (breakdown.target.bytes_sent, breakdown.target.bytes_received),
+                        "draft": (breakdown.draft.bytes_sent, breakdown.draft.bytes_received),
+                    },
+                    drafted if isinstance(drafted, int) else None,
+                    accepted if isinstance(accepted, int) else None,
+                )
 
     def trace(self) -> dict[str, str] | None:
-        """The W3C trace context to carry in the next service message (None: tracing off)."""
-        return None
+        """The W3C trace context the next service message carries: the current round's span (the
+        root's between rounds). None when tracing is off."""
+        if self.tracing is None:
+            return None
+        if self._carrier is None:
+            span = self._round_span or self.root_span
+            self._carrier = telemetry.carrier(span) if span is not None else {}
+        return self._carrier or None
 
     def draw_seed(self) -> int:
         """A seed for a service-side sampler, drawn from the request's generator."""

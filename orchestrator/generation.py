@@ -7,25 +7,32 @@ a cancelled call) ends its sessions, which frees the services' KV caches.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import torch
+from opentelemetry.trace import Span, SpanKind
 from transformers import PreTrainedTokenizerBase
 
 from orchestrator import params as request_params
 from orchestrator.beam import beam_search
 from orchestrator.context import BeamSequence, DecodeContext
+from orchestrator.contrastive import contrastive
 from orchestrator.models import ModelHandle
 from orchestrator.output import Output
 from orchestrator.params import GenerationParams, Limits
+from orchestrator.speculative import speculative
 from orchestrator.standard import standard
 from orchestrator.stats import RunStats
 from protos import orchestrator_pb2
+from specwire import telemetry
 from specwire.engine import tokenizer_fingerprint
-from specwire.errors import FailedPrecondition, InvalidArgument
+from specwire.errors import FailedPrecondition, InvalidArgument, StatusError
+from specwire.metrics import OrchestratorMetrics
 from specwire.session import ModelInfo
 
 Strategy = Callable[[DecodeContext], AsyncIterator[list[int]]]
@@ -34,6 +41,8 @@ STRATEGIES: dict[str, Strategy] = {
     "greedy": standard,
     "sample": standard,
     "beam": beam_search,
+    "contrastive": contrastive,
+    "speculative": speculative,
 }
 
 
@@ -81,11 +90,15 @@ class Decoder:
         tokenizer: PreTrainedTokenizerBase,
         max_new_tokens_limit: int = 4096,
         default_max_new_tokens: int = 64,
+        tracing: telemetry.Tracing | None = None,
+        metrics: OrchestratorMetrics | None = None,
     ) -> None:
         check_compatible(target.info, draft.info if draft else None, tokenizer)
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
+        self.tracing = tracing
+        self.metrics = metrics
         self.limits = Limits(
             max_new_tokens=max_new_tokens_limit,
             default_max_new_tokens=default_max_new_tokens,
@@ -104,7 +117,69 @@ class Decoder:
             raise InvalidArgument("strategy", f"strategy {params.strategy!r} is not available on this orchestrator")
         return params, prompt_ids
 
-    async def stream(self, request: orchestrator_pb2.GenerateRequest) -> AsyncIterator[Delta]:
+    async def stream(
+        self, request: orchestrator_pb2.GenerateRequest, caller_trace: dict[str, str] | None = None
+    ) -> AsyncIterator[Delta]:
+        """The generation as deltas; the last one carries the finish reason and statistics.
+
+        Traced as one root span — a child of the caller's span when `caller_trace` (W3C headers
+        from the call's metadata) names one — and counted in the metrics, when those are on.
+        """
+        # A label, so only known names: the request's string is the caller's to choose.
+        strategy = request.strategy or "greedy"
+        strategy = strategy if strategy in STRATEGIES else "unknown"
+        span = None
+        if self.tracing is not None:
+            span = self.tracing.start_span(
+                "generate", telemetry.extract(caller_trace), SpanKind.SERVER, {"specwire.strategy": strategy}
+            )
+        if self.metrics is not None:
+            self.metrics.request_started()
+        started = time.perf_counter()
+        ttft_s = 0.0
+        status = "error"
+        finished = False
+
+        def finish() -> None:
+            if span is not None:
+                span.set_attribute("specwire.status", status)
+                span.end()
+            if self.metrics is not None:
+                self.metrics.request_finished(strategy, status, time.perf_counter() - started, ttft_s)
+
+        try:
+            async with aclosing(self._decode(request, span)) as deltas:
+                async for delta in deltas:
+                    if self.metrics is not None:
+                        self.metrics.tokens_generated(strategy, len(delta.token_ids))
+                    if delta.stats is not None:
+                        # Finish before the last yield: `generate` never resumes the stream after it.
+                        ttft_s = delta.stats.ttft_ms / 1e3
+                        status, finished = "ok", True
+                        if span is not None:
+                            _annotate_root(span, delta)
+                        finish()
+                    yield delta
+        except StatusError as error:
+            status = error.code.name.lower()
+            if span is not None:
+                telemetry.record_error(span, error)
+            raise
+        except (GeneratorExit, asyncio.CancelledError):
+            status = "cancelled"
+            raise
+        except Exception as error:
+            status = "internal"
+            if span is not None:
+                telemetry.record_error(span, error)
+            raise
+        finally:
+            if not finished:
+                finish()
+
+    async def _decode(
+        self, request: orchestrator_pb2.GenerateRequest, root_span: Span | None
+    ) -> AsyncGenerator[Delta, None]:
         params, prompt_ids = self.prepare(request)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         ctx = DecodeContext(
@@ -114,6 +189,9 @@ class Decoder:
             draft=self.draft,
             eos_token_ids=self.eos_token_ids,
             generator=torch.Generator().manual_seed(seed),
+            tracing=self.tracing,
+            root_span=root_span,
+            metrics=self.metrics,
         )
         ctx.stats.prompt_tokens = len(prompt_ids)
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
@@ -140,12 +218,24 @@ class Decoder:
         ctx.stats.new_tokens = len(output.token_ids)
         yield Delta(pending_ids, output.text_delta(), output.finish_reason or "length", ctx.sequences, ctx.stats)
 
-    async def generate(self, request: orchestrator_pb2.GenerateRequest) -> Result:
+    async def generate(
+        self, request: orchestrator_pb2.GenerateRequest, caller_trace: dict[str, str] | None = None
+    ) -> Result:
         token_ids: list[int] = []
         text: list[str] = []
-        async for delta in self.stream(request):
+        async for delta in self.stream(request, caller_trace):
             token_ids += delta.token_ids
             text.append(delta.text)
             if delta.stats is not None:
                 return Result(token_ids, "".join(text), delta.finish_reason, delta.sequences, delta.stats)
         raise AssertionError("stream ended without a final delta")
+
+
+def _annotate_root(span: Span, delta: Delta) -> None:
+    """The generation's outcome and statistics on its root span."""
+    assert delta.stats is not None
+    span.set_attribute("specwire.finish_reason", delta.finish_reason)
+    stats = delta.stats.to_pb()
+    for descriptor, value in stats.ListFields():
+        if not descriptor.is_repeated:
+            span.set_attribute(f"specwire.stats.{descriptor.name}", value)

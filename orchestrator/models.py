@@ -6,16 +6,47 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
+from opentelemetry.trace import SpanKind
 
 from protos import model_pb2, model_pb2_grpc
-from specwire import wire
+from specwire import telemetry, wire
 from specwire.errors import StatusError, Unavailable
 from specwire.serving import CHANNEL_OPTIONS
 from specwire.session import Backend, BackendSession, ModelInfo, ModelSession, OpenRequest, StepRequest, StepResult
+
+
+@dataclass
+class WaitClock:
+    """Time during which at least one service call was outstanding: the union of the calls'
+    intervals. Calls made in parallel (contrastive decoding asks both services at once) overlap,
+    so the orchestrator's own time is wall time minus this, not minus the sum of the calls."""
+
+    outstanding: int = 0
+    since: float = 0.0
+    total_s: float = 0.0
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        if self.outstanding == 0:
+            self.since = time.perf_counter()
+        self.outstanding += 1
+        try:
+            yield
+        finally:
+            self.outstanding -= 1
+            if self.outstanding == 0:
+                self.total_s += time.perf_counter() - self.since
+
+    def elapsed_s(self) -> float:
+        """Waiting time so far, counting a wait still under way."""
+        running = time.perf_counter() - self.since if self.outstanding else 0.0
+        return self.total_s + running
 
 
 @dataclass
@@ -29,6 +60,8 @@ class CallStats:
     queue_ms: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    # Shared by the services of one generation (`RunStats` links them).
+    clock: WaitClock = field(default_factory=WaitClock)
 
     @property
     def network_ms(self) -> float:
@@ -67,10 +100,17 @@ def _service_error(label: str, error: grpc.aio.AioRpcError) -> StatusError:
 class RemoteSession:
     """A `ModelSession` over one bidirectional `Session` stream."""
 
-    def __init__(self, stub: model_pb2_grpc.ModelServiceStub, label: str, stats: CallStats) -> None:
+    def __init__(
+        self,
+        stub: model_pb2_grpc.ModelServiceStub,
+        label: str,
+        stats: CallStats,
+        tracing: telemetry.Tracing | None = None,
+    ) -> None:
         self._stub = stub
         self._label = label
         self._stats = stats
+        self._tracing = tracing
         self._call: grpc.aio.StreamStreamCall | None = None
 
     async def open(self, request: OpenRequest) -> StepResult:
@@ -81,19 +121,57 @@ class RemoteSession:
         return await self._exchange(wire.step_to_pb(request))
 
     async def _exchange(self, message: model_pb2.SessionRequest) -> StepResult:
+        """One request, one reply. Traced as a client span under the context the message carries
+        (the round's); the message then carries the client span, the parent of the server's."""
         assert self._call is not None, "open() first"
-        started = time.perf_counter()
+        span = None
+        if self._tracing is not None:
+            kind = message.WhichOneof("kind")
+            trace_field = getattr(message, kind).trace
+            if trace_field.traceparent:
+                round_context = telemetry.extract(
+                    {"traceparent": trace_field.traceparent, "tracestate": trace_field.tracestate}
+                )
+                span = self._tracing.start_span(
+                    f"{self._label}.{kind}", round_context, SpanKind.CLIENT, {"specwire.peer": self._label}
+                )
+                headers = telemetry.carrier(span)
+                trace_field.traceparent = headers.get("traceparent", "")
+                trace_field.tracestate = headers.get("tracestate", "")
         try:
-            await self._call.write(message)
-            reply = await self._call.read()
-        except grpc.aio.AioRpcError as error:
-            raise _service_error(self._label, error) from error
-        if reply is grpc.aio.EOF:
-            code = await self._call.code()
-            details = await self._call.details()
-            raise _service_error(self._label, grpc.aio.AioRpcError(code, None, None, details))
-        result = wire.result_from_pb(reply)
-        self._stats.record(time.perf_counter() - started, result, message.ByteSize(), reply.ByteSize())
+            with self._stats.clock.waiting():
+                started = time.perf_counter()
+                try:
+                    await self._call.write(message)
+                    reply = await self._call.read()
+                except grpc.aio.AioRpcError as error:
+                    raise _service_error(self._label, error) from error
+                elapsed_s = time.perf_counter() - started
+            if reply is grpc.aio.EOF:
+                code = await self._call.code()
+                details = await self._call.details()
+                raise _service_error(self._label, grpc.aio.AioRpcError(code, None, None, details))
+            result = wire.result_from_pb(reply)
+            sent, received = message.ByteSize(), reply.ByteSize()
+            self._stats.record(elapsed_s, result, sent, received)
+        except BaseException as error:
+            if span is not None:
+                telemetry.record_error(span, error)
+                span.end()
+            raise
+        if span is not None:
+            client_ms = elapsed_s * 1e3
+            compute_ms, queue_ms = result.timing.compute_us / 1e3, result.timing.queue_us / 1e3
+            span.set_attributes({
+                "specwire.client_ms": client_ms,
+                "specwire.server.compute_ms": compute_ms,
+                "specwire.server.queue_ms": queue_ms,
+                "specwire.network_ms": max(0.0, client_ms - compute_ms - queue_ms),
+                "specwire.forward_calls": result.timing.forward_calls,
+                "specwire.bytes_sent": sent,
+                "specwire.bytes_received": received,
+            })
+            span.end()
         return result
 
     async def close(self) -> None:
@@ -112,6 +190,8 @@ class RemoteModel:
         self.info = info
         self._channel = channel
         self._stub = model_pb2_grpc.ModelServiceStub(channel)
+        # The orchestrator's tracer: each session message gets a client span when set.
+        self.tracing: telemetry.Tracing | None = None
 
     @classmethod
     async def connect(cls, address: str, label: str, timeout: float) -> RemoteModel:
@@ -121,7 +201,9 @@ class RemoteModel:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                reply = await stub.Info(model_pb2.InfoRequest(), timeout=5.0, wait_for_ready=True)
+                reply = await stub.Info(
+                    model_pb2.InfoRequest(), timeout=5.0, wait_for_ready=True, metadata=telemetry.current_metadata()
+                )
                 return cls(address, label, channel, wire.info_from_pb(reply))
             except grpc.aio.AioRpcError as error:
                 if time.monotonic() > deadline:
@@ -130,7 +212,7 @@ class RemoteModel:
                 await asyncio.sleep(0.5)
 
     def session(self, stats: CallStats) -> ModelSession:
-        return RemoteSession(self._stub, self.label, stats)
+        return RemoteSession(self._stub, self.label, stats, self.tracing)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -150,9 +232,11 @@ class LocalSession:
         return self._timed(self._session.step, request)
 
     def _timed(self, handler: object, request: object) -> StepResult:
-        started = time.perf_counter()
-        result: StepResult = handler(request)  # type: ignore[operator]
-        self._stats.record(time.perf_counter() - started, result, 0, 0)
+        with self._stats.clock.waiting():
+            started = time.perf_counter()
+            result: StepResult = handler(request)  # type: ignore[operator]
+            elapsed_s = time.perf_counter() - started
+        self._stats.record(elapsed_s, result, 0, 0)
         return result
 
     async def close(self) -> None:

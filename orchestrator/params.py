@@ -142,8 +142,8 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
 
     if len(request.stop) > MAX_STOP_STRINGS or any(not s for s in request.stop):
         raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
-    if request.stop and strategy == "beam":
-        raise InvalidArgument("stop", "stop strings are not supported with strategy 'beam'")
+    if request.stop and num_beams > 1:
+        raise InvalidArgument("stop", "stop strings are not supported with beam search (num_beams > 1)")
 
     sampling_fields = ("temperature", "top_k", "top_p", "min_p")
     sampling_asked = strategy == "sample" or (

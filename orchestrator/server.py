@@ -8,15 +8,17 @@ import sys
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry.trace import SpanKind
 
-from orchestrator.generation import STRATEGIES, Decoder, Delta, Result
 from orchestrator.context import BeamSequence
+from orchestrator.generation import STRATEGIES, Decoder, Delta, Result
 from orchestrator.models import RemoteModel
 from protos import orchestrator_pb2, orchestrator_pb2_grpc
-from specwire import serving
+from specwire import serving, telemetry
 from specwire.config import OrchestratorConfig
 from specwire.engine import load_tokenizer
 from specwire.errors import FailedPrecondition, StatusError
+from specwire.metrics import OrchestratorMetrics, serve_metrics
 
 log = logging.getLogger("specwire")
 SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
@@ -61,7 +63,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> orchestrator_pb2.GenerateResponse:
         try:
-            result = await self.decoder.generate(request)
+            caller = telemetry.carrier_from_metadata(context.invocation_metadata())
+            result = await self.decoder.generate(request, caller)
         except StatusError as error:
             await context.abort(error.code, error.message)
         except Exception as error:  # a bug must not take the server down: report it as INTERNAL
@@ -73,7 +76,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[orchestrator_pb2.GenerateDelta]:
         try:
-            async for delta in self.decoder.stream(request):
+            caller = telemetry.carrier_from_metadata(context.invocation_metadata())
+            async for delta in self.decoder.stream(request, caller):
                 yield delta_to_pb(self.decoder, delta)
         except StatusError as error:
             await context.abort(error.code, error.message)
@@ -85,6 +89,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self, request: orchestrator_pb2.OrchestratorInfoRequest, context: grpc.aio.ServicerContext
     ) -> orchestrator_pb2.OrchestratorInfo:
         decoder = self.decoder
+        caller = telemetry.carrier_from_metadata(context.invocation_metadata()) if decoder.tracing else None
+        if decoder.tracing is not None and caller is not None:
+            decoder.tracing.start_span("Info", telemetry.extract(caller), SpanKind.SERVER).end()
         target, draft = decoder.target.info, decoder.draft.info if decoder.draft else None
         return orchestrator_pb2.OrchestratorInfo(
             target_model=target.model_name,
@@ -98,23 +105,36 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         )
 
 
-async def build_decoder(config: OrchestratorConfig) -> Decoder:
+async def build_decoder(
+    config: OrchestratorConfig,
+    tracing: telemetry.Tracing | None = None,
+    metrics: OrchestratorMetrics | None = None,
+) -> Decoder:
     """Connect to the services, load the tokenizer, check they agree."""
     connecting = [RemoteModel.connect(config.target, "target", config.connect_timeout_s)]
     if config.draft:
         connecting.append(RemoteModel.connect(config.draft, "draft", config.connect_timeout_s))
     models = await asyncio.gather(*connecting)
     target, draft = models[0], models[1] if len(models) > 1 else None
+    for model in models:
+        model.tracing = tracing
     source = config.tokenizer or target.info.tokenizer_source
     tokenizer = load_tokenizer(source) if source else None
     if tokenizer is None:
         raise FailedPrecondition(f"no tokenizer could be loaded from {source!r}; pass --tokenizer DIR_OR_HUB_ID")
-    return Decoder(target, draft, tokenizer, config.max_new_tokens_limit, config.default_max_new_tokens)
+    return Decoder(
+        target, draft, tokenizer, config.max_new_tokens_limit, config.default_max_new_tokens, tracing, metrics
+    )
 
 
 async def run(config: OrchestratorConfig) -> None:
+    observe = config.telemetry
+    tracing = telemetry.setup_tracing(
+        "orchestrator", observe.trace_exporter, observe.trace_file, observe.trace_sample_ratio, set_global=True
+    )
+    metrics = OrchestratorMetrics() if observe.metrics_port else None
     try:
-        decoder = await build_decoder(config)
+        decoder = await build_decoder(config, tracing, metrics)
     except StatusError as error:
         print(f"orchestrator refuses to start: {error.message}", file=sys.stderr, flush=True)
         raise SystemExit(2) from error
@@ -125,10 +145,18 @@ async def run(config: OrchestratorConfig) -> None:
 
     running = await serving.start_server(register, [SERVICE_NAME], config.host, config.port)
 
+    metrics_server = serve_metrics(metrics.registry, config.host, observe.metrics_port) if metrics else None
+
     async def ready() -> None:
         return None
 
-    await serving.serve_until_signalled(running, [SERVICE_NAME], ready, "orchestrator", config.host, config.grace_s)
+    try:
+        await serving.serve_until_signalled(running, [SERVICE_NAME], ready, "orchestrator", config.host, config.grace_s)
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        if tracing is not None:
+            tracing.shutdown()
 
 
 def main(config: OrchestratorConfig) -> None:

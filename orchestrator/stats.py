@@ -28,6 +28,15 @@ class RunStats:
     differs_from_expert: int = 0
     contrastive_steps: int = 0
 
+    def __post_init__(self) -> None:
+        # One clock for both services: overlapping calls count once as waiting time.
+        self.draft.clock = self.target.clock
+
+    @property
+    def waiting_ms(self) -> float:
+        """Wall time during which at least one service call was outstanding."""
+        return self.target.clock.total_s * 1e3
+
     def record_accepted(self, accepted: int) -> None:
         if len(self.accepted_length_histogram) <= accepted:
             self.accepted_length_histogram.extend([0] * (accepted + 1 - len(self.accepted_length_histogram)))
@@ -35,8 +44,8 @@ class RunStats:
 
     @property
     def orchestrator_ms(self) -> float:
-        """Wall time not spent waiting on a service (services called in parallel overlap)."""
-        return max(0.0, self.wall_ms - self.target.client_ms - self.draft.client_ms)
+        """Wall time not spent waiting on a service; calls in parallel overlap and count once."""
+        return max(0.0, self.wall_ms - self.waiting_ms)
 
     def to_pb(self) -> orchestrator_pb2.GenerationStats:
         target, draft = self.target, self.draft

@@ -92,18 +92,20 @@ class Open(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., processing: _Optional[_Union[ProcessingConfig, _Mapping]] = ..., num_branches: _Optional[int] = ..., scoring: _Optional[_Union[Scoring, _Mapping]] = ..., trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
 
 class Scoring(_message.Message):
-    __slots__ = ("kind", "positions", "top_n", "logits_dtype", "extras")
+    __slots__ = ("kind", "positions", "top_n", "logits_dtype", "extras", "score_ids")
     KIND_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     TOP_N_FIELD_NUMBER: _ClassVar[int]
     LOGITS_DTYPE_FIELD_NUMBER: _ClassVar[int]
     EXTRAS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
     kind: ScoreKind
     positions: int
     top_n: int
     logits_dtype: str
     extras: ExtraOutputs
-    def __init__(self, kind: _Optional[_Union[ScoreKind, str]] = ..., positions: _Optional[int] = ..., top_n: _Optional[int] = ..., logits_dtype: _Optional[str] = ..., extras: _Optional[_Union[ExtraOutputs, _Mapping]] = ...) -> None: ...
+    score_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[_Union[ScoreKind, str]] = ..., positions: _Optional[int] = ..., top_n: _Optional[int] = ..., logits_dtype: _Optional[str] = ..., extras: _Optional[_Union[ExtraOutputs, _Mapping]] = ..., score_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Step(_message.Message):
     __slots__ = ("keep_tokens", "branch_order", "append_ids", "scoring", "propose", "propose_greedy", "propose_seed", "propose_min_confidence", "tree_parents", "trace")

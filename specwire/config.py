@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """Tracing and metrics of one service (`--trace-*`, `--metrics-port`); all off by default."""
+
+    trace_exporter: str = "none"  # "none", "otlp" (OTEL_EXPORTER_OTLP_* variables), "console" or "file"
+    trace_file: str | None = None  # JSON lines, one span per line (`trace_exporter="file"`)
+    trace_sample_ratio: float = 1.0  # of new traces; a service follows its caller's decision
+    metrics_port: int = 0  # Prometheus /metrics port; 0 = off
 
 
 @dataclass(frozen=True)
@@ -20,6 +30,7 @@ class ModelServiceConfig:
     ngram_max: int = 3  # n-gram drafter: longest n-gram matched
     ngram_min: int = 1
     grace_s: float = 10.0
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
 
 @dataclass(frozen=True)
@@ -35,3 +46,4 @@ class OrchestratorConfig:
     default_max_new_tokens: int = 64
     connect_timeout_s: float = 60.0
     grace_s: float = 10.0
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)

@@ -322,6 +322,7 @@ class EngineSession:
         positions = scoring.positions
         if not 1 <= positions <= self.length:
             raise InvalidArgument("scoring.positions", f"must be in [1, {self.length}], got {positions}")
+        score_ids = self._score_ids(scoring)  # checked before paying for a forward pass
         logits = self._forward(positions)  # [branches, positions, vocab]
         per_position = []
         for j in range(positions):
@@ -336,7 +337,22 @@ class EngineSession:
         dtype = _LOGITS_DTYPES.get(scoring.logits_dtype)
         if dtype is None:
             raise InvalidArgument("scoring.logits_dtype", f"must be float32 or float16, got {scoring.logits_dtype!r}")
+        if score_ids is not None:
+            values = processed.index_select(1, score_ids.to(processed.device))  # [rows, len(score_ids)]
+            ids = score_ids.to(torch.int32).expand(values.shape[0], -1)
+            return Scores(scoring.kind, sparse_ids=ids, sparse_values=values.to(dtype))
         return _encode_top(scoring.kind, processed, scoring.top_n, dtype)
+
+    def _score_ids(self, scoring: Scoring) -> torch.Tensor | None:
+        """`scoring.score_ids` as an index, or None when every id (or the top_n) is wanted."""
+        if not scoring.score_ids:
+            return None
+        if scoring.kind not in (ScoreKind.LOGITS, ScoreKind.LOGPROBS):
+            raise InvalidArgument("scoring.score_ids", f"applies to LOGITS and LOGPROBS only, not {scoring.kind.name}")
+        if scoring.top_n:
+            raise InvalidArgument("scoring.score_ids", "give score_ids or top_n, not both")
+        self._check_ids(list(scoring.score_ids), "scoring.score_ids")
+        return torch.tensor(scoring.score_ids, dtype=torch.long)
 
     def _process(self, scoring: Scoring, logits: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
         config = self.processing

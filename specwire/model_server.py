@@ -9,9 +9,10 @@ from collections.abc import Callable
 import grpc
 
 from protos import model_pb2_grpc
-from specwire import serving
+from specwire import serving, telemetry
 from specwire.config import ModelServiceConfig
 from specwire.engine import CausalLM, Engine
+from specwire.metrics import ModelServiceMetrics, serve_metrics
 from specwire.model_service import SERVICE_NAME, ModelServicer
 from specwire.session import Backend
 
@@ -34,7 +35,12 @@ def load_engine(config: ModelServiceConfig, default_model: str, default_name: st
 
 
 async def run(config: ModelServiceConfig, build_backend: BackendFactory) -> None:
-    servicer = ModelServicer(None, config.max_sessions)
+    observe = config.telemetry
+    tracing = telemetry.setup_tracing(
+        config.role, observe.trace_exporter, observe.trace_file, observe.trace_sample_ratio, set_global=True
+    )
+    metrics = ModelServiceMetrics(config.role) if observe.metrics_port else None
+    servicer = ModelServicer(None, config.max_sessions, config.role, tracing, metrics)
 
     def register(server: grpc.aio.Server) -> None:
         model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, server)
@@ -46,5 +52,14 @@ async def run(config: ModelServiceConfig, build_backend: BackendFactory) -> None
         servicer.backend = backend
         info = backend.info()
         log.info("%s: %s on %s (%s), vocab %d", config.role, info.model_name, info.device, info.dtype, info.vocab_size)
+        if metrics is not None:
+            metrics.describe(config.role, info.model_name, info.device, info.dtype)
 
-    await serving.serve_until_signalled(running, [SERVICE_NAME], ready, config.role, config.host, config.grace_s)
+    metrics_server = serve_metrics(metrics.registry, config.host, observe.metrics_port) if metrics else None
+    try:
+        await serving.serve_until_signalled(running, [SERVICE_NAME], ready, config.role, config.host, config.grace_s)
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        if tracing is not None:
+            tracing.shutdown()

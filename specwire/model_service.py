@@ -3,6 +3,9 @@
 Each stream owns one backend session (a KV cache). Requests are handled in order on a single
 forward-pass executor thread, so the event loop stays free and the model sees one batch at a
 time. The session is freed in `finally`, whatever ended the stream.
+
+Each message is traced, when tracing is on, as a server span under the client span whose
+context the message carries, and counted in the service's metrics.
 """
 
 from __future__ import annotations
@@ -13,24 +16,83 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from opentelemetry.trace import Span, SpanKind
 
 from protos import model_pb2, model_pb2_grpc
-from specwire import wire
+from specwire import telemetry, wire
 from specwire.errors import InvalidArgument, StatusError
-from specwire.session import Backend, BackendSession
+from specwire.metrics import ModelServiceMetrics
+from specwire.session import Backend, BackendSession, OpenRequest, ScoreKind, StepRequest
 
 SERVICE_NAME = model_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name
 
 
+# A span is named for the message's main operation: the first of these it does.
+_MAIN_OPS = ("prefill", "verify_tree", "verify", "propose", "extend", "score", "fork", "reorder", "truncate")
+
+
+def message_ops(request: OpenRequest | StepRequest) -> list[str]:
+    """What a session message asks for, in the order the service does it (span attributes)."""
+    if isinstance(request, OpenRequest):
+        return ["prefill"]
+    ops = []
+    if request.keep_tokens is not None:
+        ops.append("truncate")
+    if request.branch_order:
+        ops.append("fork" if len(set(request.branch_order)) < len(request.branch_order) else "reorder")
+    if request.tree_parents:
+        ops.append("verify_tree")
+    elif request.append_ids and request.scoring.positions > 1:
+        ops.append("verify")
+    elif request.append_ids:
+        ops.append("extend")
+    if request.scoring.kind != ScoreKind.NONE and not {"verify", "verify_tree"} & set(ops):
+        ops.append("score")
+    if request.propose:
+        ops.append("propose")
+    return ops
+
+
+class SessionUsage:
+    """Tokens one session holds over its branches, for the KV-cache gauge."""
+
+    def __init__(self) -> None:
+        self.branches = 1
+        self.tokens = 0
+
+    def update(self, request: OpenRequest | StepRequest, reply: model_pb2.SessionReply) -> int:
+        """Account a handled message; returns the change in tokens held."""
+        if isinstance(request, OpenRequest):
+            self.branches = request.num_branches
+        elif request.branch_order:
+            self.branches = len(request.branch_order)
+        held = reply.num_tokens * self.branches
+        change, self.tokens = held - self.tokens, held
+        return change
+
+
 class ModelServicer(model_pb2_grpc.ModelServiceServicer):
-    def __init__(self, backend: Backend | None, max_sessions: int = 256) -> None:
+    def __init__(
+        self,
+        backend: Backend | None,
+        max_sessions: int = 256,
+        role: str = "",
+        tracing: telemetry.Tracing | None = None,
+        metrics: ModelServiceMetrics | None = None,
+    ) -> None:
         # None while the model loads: calls get UNAVAILABLE and health says NOT_SERVING.
         self.backend = backend
         self.max_sessions = max_sessions
         self.active_sessions = 0
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self.role = role or (backend.info().role if backend is not None else "model")
+        self.tracing = tracing
+        self.metrics = metrics
 
     async def Info(self, request: model_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> model_pb2.ModelInfo:
+        caller = telemetry.carrier_from_metadata(context.invocation_metadata()) if self.tracing else None
+        if self.tracing is not None and caller is not None:
+            self.tracing.start_span("Info", telemetry.extract(caller), SpanKind.SERVER).end()
         backend = await self._loaded(context)
         return wire.info_to_pb(backend.info())
 
@@ -50,32 +112,80 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             )
         session = backend.new_session()
         self.active_sessions += 1
+        usage = SessionUsage()
+        if self.metrics is not None:
+            self.metrics.active_sessions.set(self.active_sessions)
         try:
             opened = False
             async for message in request_iterator:
                 try:
-                    reply = await self._handle(session, message, opened)
+                    reply = await self._handle(session, message, opened, usage)
                 except StatusError as error:
                     await context.abort(error.code, error.message)
                 opened = True
                 yield reply
         finally:
             self.active_sessions -= 1
+            if self.metrics is not None:
+                self.metrics.active_sessions.set(self.active_sessions)
+                self.metrics.kv_cache_tokens.dec(usage.tokens)
             session.close()
 
     async def _handle(
-        self, session: BackendSession, message: model_pb2.SessionRequest, opened: bool
+        self, session: BackendSession, message: model_pb2.SessionRequest, opened: bool, usage: SessionUsage
     ) -> model_pb2.SessionReply:
         kind = message.WhichOneof("kind")
+        request: OpenRequest | StepRequest
+        handler: Callable[..., object]
         if kind == "open":
             if opened:
                 raise InvalidArgument("open", "a session is opened once; later messages must be `step`")
-            return await self._run(session.open, wire.open_from_pb(message.open))
-        if kind == "step":
+            request, handler = wire.open_from_pb(message.open), session.open
+        elif kind == "step":
             if not opened:
                 raise InvalidArgument("step", "the first message of a session must be `open`")
-            return await self._run(session.step, wire.step_from_pb(message.step))
-        raise InvalidArgument("kind", "a session message must carry `open` or `step`")
+            request, handler = wire.step_from_pb(message.step), session.step
+        else:
+            raise InvalidArgument("kind", "a session message must carry `open` or `step`")
+        span = self._start_span(kind, request) if self.tracing is not None else None
+        try:
+            reply = await self._run(handler, request)
+        except BaseException as error:  # a cancelled stream too: the span must still end
+            if span is not None:
+                telemetry.record_error(span, error)
+                span.end()
+            if self.metrics is not None:
+                self.metrics.message_failed(kind)
+            raise
+        timing = reply.timing
+        if span is not None:
+            span.set_attributes({
+                "specwire.server.queue_ms": timing.queue_us / 1e3,
+                "specwire.server.compute_ms": timing.compute_us / 1e3,
+                "specwire.forward_calls": timing.forward_calls,
+                "specwire.num_tokens": reply.num_tokens,
+            })
+            span.end()
+        if self.metrics is not None:
+            self.metrics.message_handled(kind, timing.queue_us, timing.compute_us, timing.forward_calls)
+            self.metrics.kv_cache_tokens.inc(usage.update(request, reply))
+        return reply
+
+    def _start_span(self, kind: str, request: OpenRequest | StepRequest) -> Span:
+        """A server span under the client span the message names (a new trace if none)."""
+        assert self.tracing is not None
+        ops = message_ops(request)
+        attributes: dict[str, str | int] = {"specwire.message": kind, "specwire.ops": ",".join(ops)}
+        if isinstance(request, OpenRequest):
+            attributes["specwire.prompt_tokens"] = len(request.prompt_ids)
+            attributes["specwire.branches"] = request.num_branches
+        else:
+            attributes["specwire.appended_tokens"] = len(request.append_ids)
+            attributes["specwire.propose"] = request.propose
+        attributes["specwire.score_positions"] = request.scoring.positions if request.scoring.kind else 0
+        main = next((op for op in _MAIN_OPS if op in ops), "noop")
+        name = f"{self.role}.{main}"
+        return self.tracing.start_span(name, telemetry.extract(request.trace), SpanKind.SERVER, attributes)
 
     async def _run(self, handler: Callable[..., object], request: object) -> model_pb2.SessionReply:
         enqueued = time.perf_counter()

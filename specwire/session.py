@@ -36,6 +36,8 @@ class Scoring:
     positions: int = 1
     top_n: int = 0
     logits_dtype: str = "float32"
+    # LOGITS / LOGPROBS: only these ids' scores, for every row (sparse); empty = all / top_n.
+    score_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,7 @@ def scoring_to_pb(scoring: Scoring) -> model_pb2.Scoring:
         positions=scoring.positions,
         top_n=scoring.top_n,
         logits_dtype=scoring.logits_dtype,
+        score_ids=scoring.score_ids,
     )
 
 
@@ -125,6 +126,7 @@ def scoring_from_pb(message: model_pb2.Scoring) -> Scoring:
         positions=message.positions or 1,
         top_n=message.top_n,
         logits_dtype=message.logits_dtype or "float32",
+        score_ids=tuple(message.score_ids),
     )
 
 

@@ -14,8 +14,9 @@ from orchestrator.generation import Decoder
 from orchestrator.server import SERVICE_NAME as ORCHESTRATOR_SERVICE
 from orchestrator.server import OrchestratorServicer, build_decoder
 from protos import model_pb2_grpc, orchestrator_pb2_grpc
-from specwire import serving
+from specwire import serving, telemetry
 from specwire.config import OrchestratorConfig
+from specwire.metrics import ModelServiceMetrics, OrchestratorMetrics
 from specwire.model_service import SERVICE_NAME as MODEL_SERVICE
 from specwire.model_service import ModelServicer
 from specwire.session import Backend
@@ -49,9 +50,13 @@ class ModelServer:
         return f"127.0.0.1:{self.running.port}"
 
 
-async def start_model_server(backend: Backend | None) -> ModelServer:
+async def start_model_server(
+    backend: Backend | None,
+    tracing: telemetry.Tracing | None = None,
+    metrics: ModelServiceMetrics | None = None,
+) -> ModelServer:
     """A model service on a free port; `None` leaves it as it is while its model loads."""
-    servicer = ModelServicer(backend)
+    servicer = ModelServicer(backend, tracing=tracing, metrics=metrics)
 
     def register(server: grpc.aio.Server) -> None:
         model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, server)
@@ -73,9 +78,18 @@ class OrchestratorServer:
 
 
 async def start_orchestrator(target: str, draft: str | None, tokenizer: str, **limits: Any) -> OrchestratorServer:
-    decoder = await build_decoder(
+    return await start_observed_orchestrator(
         OrchestratorConfig(target=target, draft=draft, tokenizer=tokenizer, connect_timeout_s=10.0, **limits)
     )
+
+
+async def start_observed_orchestrator(
+    config: OrchestratorConfig,
+    tracing: telemetry.Tracing | None = None,
+    metrics: OrchestratorMetrics | None = None,
+) -> OrchestratorServer:
+    """An orchestrator on a free port, tracing and counting when given a tracer and metrics."""
+    decoder = await build_decoder(config, tracing, metrics)
     servicer = OrchestratorServicer(decoder)
 
     def register(server: grpc.aio.Server) -> None:

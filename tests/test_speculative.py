@@ -1,0 +1,205 @@
+"""The speculative decision functions and the n-gram drafter, without sockets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from draft_service.ngram import NgramDrafter, NgramSession, ngram_proposal
+from orchestrator.speculative import (
+    SessionSync,
+    accept_draft,
+    accept_drafts,
+    accept_greedy,
+    one_hot_probs,
+    residual_distribution,
+)
+from specwire.engine import CausalLM, Engine
+from specwire.errors import InvalidArgument
+from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
+from tests.goodness_of_fit import chi_square_pvalue
+
+
+def random_probs(rows: int, vocab: int, seed: int, sharpness: float = 2.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, vocab, generator=generator) * sharpness).softmax(dim=-1)
+
+
+# -- greedy --------------------------------------------------------------------------------------
+
+
+def test_greedy_accepts_all_matching_drafts_and_takes_the_bonus() -> None:
+    assert accept_greedy(torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7, 9])) == (3, 9)
+
+
+def test_greedy_stops_at_the_first_mismatch_with_the_target_argmax_as_correction() -> None:
+    assert accept_greedy(torch.tensor([5, 6, 7]), torch.tensor([5, 4, 7, 9])) == (1, 4)
+    assert accept_greedy(torch.tensor([5, 6, 7]), torch.tensor([1, 6, 7, 9])) == (0, 1)
+
+
+def test_greedy_without_drafts_is_a_plain_target_step() -> None:
+    assert accept_greedy(torch.tensor([], dtype=torch.long), torch.tensor([3])) == (0, 3)
+
+
+# -- sampled -------------------------------------------------------------------------------------
+
+
+def test_residual_is_the_normalised_positive_part_of_p_minus_q() -> None:
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0]])
+    q = torch.tensor([[0.2, 0.4, 0.2, 0.2]])
+    assert torch.allclose(residual_distribution(p, q), torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+    p = torch.tensor([[0.5, 0.3, 0.2]])
+    q = torch.tensor([[0.1, 0.1, 0.8]])
+    assert torch.allclose(residual_distribution(p, q), torch.tensor([[2 / 3, 1 / 3, 0.0]]))
+
+
+def test_residual_falls_back_to_p_when_p_equals_q() -> None:
+    p = random_probs(3, 7, seed=0)
+    assert torch.equal(residual_distribution(p, p), p)
+
+
+def test_everything_is_accepted_when_draft_equals_target_and_the_bonus_comes_from_the_last_row() -> None:
+    probs = random_probs(3, 6, seed=1)
+    target = torch.cat([probs, torch.nn.functional.one_hot(torch.tensor([4]), 6).float()])  # [4, 6]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        assert accept_draft(tokens, probs, target, generator) == (3, 4)
+
+
+def test_a_token_the_target_rules_out_is_rejected_and_never_chosen_as_correction() -> None:
+    draft_probs = torch.tensor([[0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
+    target = torch.tensor([[0.5, 0.0, 0.5], [1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        accepted_len, token = accept_draft(torch.tensor([1, 0]), draft_probs, target, generator)
+        assert accepted_len == 0 and token in (0, 2)
+
+
+def test_without_drafts_the_next_token_is_drawn_from_the_target() -> None:
+    target = torch.tensor([[0.0, 0.0, 1.0]])
+    assert accept_draft(torch.tensor([], dtype=torch.long), torch.empty(0, 3), target, None) == (0, 2)
+
+
+def test_single_round_equals_a_batch_of_one_and_a_seed_reproduces_it() -> None:
+    q, p = random_probs(4, 9, seed=2), random_probs(5, 9, seed=3)
+    tokens = torch.tensor([1, 2, 3, 4])
+    single = accept_draft(tokens, q, p, torch.Generator().manual_seed(7))
+    accepted_len, next_token = accept_drafts(tokens[None], q[None], p[None], torch.Generator().manual_seed(7))
+    assert single == (int(accepted_len[0]), int(next_token[0]))
+    assert single == accept_draft(tokens, q, p, torch.Generator().manual_seed(7))
+
+
+def test_acceptance_rate_is_one_minus_total_variation() -> None:
+    """Leviathan et al. 2023, §3.1: P(accept) = Σ_x min(p(x), q(x)) = 1 − TV(p, q)."""
+    samples, vocab = 100_000, 12
+    q, p = random_probs(1, vocab, seed=4), random_probs(2, vocab, seed=5)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.multinomial(q[0], samples, replacement=True, generator=generator)[:, None]  # [B, 1]
+    accepted_len, next_token = accept_drafts(
+        tokens, q.expand(samples, 1, vocab), p.expand(samples, 2, vocab), generator
+    )
+    expected = float(torch.minimum(p[0], q[0]).sum())
+    observed = float(accepted_len.float().mean())
+    assert abs(observed - expected) < 5 * (expected * (1 - expected) / samples) ** 0.5
+    first = torch.where(accepted_len == 1, tokens[:, 0], next_token)
+    assert chi_square_pvalue(np.bincount(first.numpy(), minlength=vocab), p[0].numpy()) > 1e-3
+
+
+def test_one_hot_draft_is_accepted_with_the_target_probability_of_the_token() -> None:
+    samples, vocab = 50_000, 5
+    p = torch.tensor([[0.1, 0.6, 0.1, 0.1, 0.1], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    tokens = torch.full((samples, 1), 1)
+    q = one_hot_probs(torch.tensor([1]), vocab)  # [1, V]
+    generator = torch.Generator().manual_seed(0)
+    accepted_len, next_token = accept_drafts(
+        tokens, q.expand(samples, 1, vocab), p.expand(samples, 2, vocab), generator
+    )
+    assert abs(float(accepted_len.float().mean()) - 0.6) < 5 * (0.24 / samples) ** 0.5
+    corrections = next_token[accepted_len == 0]
+    assert not bool((corrections == 1).any())  # the residual is p without the proposed token
+
+
+# -- session bookkeeping -------------------------------------------------------------------------
+
+
+def test_session_sync_rolls_back_to_the_valid_prefix_and_appends_the_rest() -> None:
+    history = [1, 2, 3, 4, 5, 6]
+    assert SessionSync(held=4, valid=4).catch_up(history) == (None, [5, 6])
+    assert SessionSync(held=8, valid=5).catch_up(history) == (5, [6])
+    assert SessionSync(held=6, valid=6).catch_up(history) == (None, [])
+
+
+# -- n-gram drafter ------------------------------------------------------------------------------
+
+
+def ids(*tokens: int) -> torch.Tensor:
+    return torch.tensor(tokens, dtype=torch.long)
+
+
+def test_ngram_copies_what_followed_the_latest_longest_match() -> None:
+    #                   the suffix (1, 2) occurs at 0 and 4; the latest is followed by 3, 9, 9
+    history = ids(1, 2, 3, 4, 1, 2, 3, 9, 9, 1, 2)
+    assert ngram_proposal(history, 3, ngram_max=3, ngram_min=1) == [3, 9, 9]
+    # the longest n wins: (7, 1, 2) occurs once, followed by 5, though (1, 2) occurs later
+    history = ids(7, 1, 2, 5, 1, 2, 6, 7, 1, 2)
+    assert ngram_proposal(history, 1, ngram_max=3, ngram_min=1) == [5]
+    assert ngram_proposal(history, 1, ngram_max=2, ngram_min=1) == [6]
+
+
+def test_ngram_continues_a_repeating_pattern_past_the_end_of_the_history() -> None:
+    assert ngram_proposal(ids(4, 5, 4, 5, 4), 5, ngram_max=2, ngram_min=1) == [5, 4, 5, 4, 5]
+    assert ngram_proposal(ids(8, 8, 8), 4, ngram_max=3, ngram_min=1) == [8, 8, 8, 8]
+
+
+def test_ngram_proposes_nothing_without_a_match() -> None:
+    assert ngram_proposal(ids(1, 2, 3, 4), 4, ngram_max=3, ngram_min=1) == []
+    assert ngram_proposal(ids(1, 2, 3, 1, 2, 4), 4, ngram_max=3, ngram_min=2) == []
+    assert ngram_proposal(ids(7), 4, ngram_max=3, ngram_min=1) == []
+
+
+def test_ngram_session_rolls_back_appends_and_keeps_its_proposals() -> None:
+    session = NgramSession(NgramDrafter(vocab_size=10, eos_token_ids=[0], fingerprint=""))
+    assert session.open(OpenRequest([1, 2, 3, 1, 2])).num_tokens == 5
+    result = session.step(StepRequest(propose=2, propose_seed=3))
+    assert result.proposed_ids is not None and result.proposed_ids.tolist() == [[3, 1]]
+    assert result.proposal_scores is None and result.num_tokens == 7
+    result = session.step(StepRequest(keep_tokens=6, append_ids=[4], propose=3))  # 3 accepted, 1 → 4
+    assert session.tokens[:7] == [1, 2, 3, 1, 2, 3, 4] and result.proposed_ids is not None
+    assert result.proposed_ids.shape == (1, 0)  # (3, 4) and 4 never occurred before
+    assert session.step(StepRequest(keep_tokens=2)).num_tokens == 2
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (StepRequest(scoring=Scoring(ScoreKind.PROBS)), "scoring.kind"),
+        (StepRequest(append_ids=[10]), "append_ids"),
+        (StepRequest(keep_tokens=0), "keep_tokens"),
+        (StepRequest(branch_order=[0, 0]), "branch_order"),
+        (StepRequest(propose=65), "propose"),
+    ],
+)
+def test_ngram_session_refuses_what_it_cannot_do(request_: StepRequest, field: str) -> None:
+    session = NgramSession(NgramDrafter(vocab_size=10, eos_token_ids=[0], fingerprint=""))
+    session.open(OpenRequest([1, 2, 3]))
+    with pytest.raises(InvalidArgument) as error:
+        session.step(request_)
+    assert error.value.field == field
+
+
+def test_ngram_drafter_reports_the_target_vocabulary_and_fingerprint(llama_target_dir: Path) -> None:
+    drafter = NgramDrafter.load(str(llama_target_dir), ngram_max=4, ngram_min=2)
+    target = Engine(CausalLM.load(str(llama_target_dir), device="cpu", dtype="float32"), "target").info()
+    info = drafter.info()
+    assert (info.vocab_size, info.tokenizer_fingerprint, info.eos_token_ids) == (
+        target.vocab_size,
+        target.tokenizer_fingerprint,
+        target.eos_token_ids,
+    )
+    assert "ngram" in info.capabilities and info.role == "draft" and info.tokenizer_fingerprint
+    with pytest.raises(InvalidArgument):
+        NgramDrafter.load(str(llama_target_dir), ngram_max=1, ngram_min=2)

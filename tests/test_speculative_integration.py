@@ -1,0 +1,232 @@
+"""Speculative decoding over gRPC: statistics add up, stops trim exactly, the n-gram drafter serves,
+seeds reproduce, sessions are freed, and the CLI shows it all."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from client import Client, GenerationError
+from client.cli import main as cli_main
+from draft_service.ngram import NgramDrafter
+from draft_service.server import build_backend
+from specwire.config import ModelServiceConfig
+from specwire.errors import InvalidArgument
+from tests.conftest import hf_model
+from tests.harness import LoopThread, Stack, start_orchestrator
+
+pytest_plugins = ["tests.spec_fixtures"]  # its fixtures: stacks and the small-vocabulary pair
+
+
+PROMPT = "for i in range(10):\n    print(i"
+
+
+def check_stats_add_up(stats: Any, untrimmed: bool) -> None:
+    histogram = list(stats.accepted_length_histogram)
+    assert 0 <= stats.accepted_tokens <= stats.drafted_tokens
+    assert sum(histogram) == stats.rounds == stats.corrections + stats.bonus_tokens
+    assert sum(k * count for k, count in enumerate(histogram)) == stats.accepted_tokens
+    produced = stats.accepted_tokens + stats.corrections + stats.bonus_tokens
+    assert stats.new_tokens == produced if untrimmed else stats.new_tokens <= produced
+    assert stats.target_forwards == stats.rounds  # one verification forward per round
+    if stats.drafted_tokens:
+        assert stats.acceptance_rate == pytest.approx(stats.accepted_tokens / stats.drafted_tokens)
+    assert stats.mean_accepted_length == pytest.approx(
+        stats.accepted_tokens / stats.rounds if stats.drafted_tokens else 0.0
+    )
+    assert stats.tokens_per_target_forward == pytest.approx(stats.new_tokens / stats.target_forwards)
+    assert stats.bytes_per_round > 0 and stats.draft_bytes_received > 0 and stats.target_bytes_received > 0
+
+
+@pytest.mark.parametrize("stack_name", ["llama_stack", "llama_ngram_stack", "self_draft_stack"])
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "top_p": 0.95, "seed": 3}], ids=["greedy", "sampled"])
+def test_statistics_add_up(request: pytest.FixtureRequest, stack_name: str, sampling: dict[str, Any]) -> None:
+    stack: Stack = request.getfixturevalue(stack_name)
+    result = Client(stack.address).generate(
+        PROMPT, strategy="speculative", num_speculative_tokens=4, max_new_tokens=30, ignore_eos=True, **sampling
+    )
+    assert len(result.token_ids) == 30 and result.finish_reason == "length"
+    check_stats_add_up(result.stats, untrimmed=True)
+
+
+def test_a_target_drafting_for_itself_has_every_greedy_draft_accepted(self_draft_stack: Stack) -> None:
+    stats = (
+        Client(self_draft_stack.address)
+        .generate(PROMPT, strategy="speculative", num_speculative_tokens=4, max_new_tokens=31, ignore_eos=True)
+        .stats
+    )
+    assert stats.corrections == 0 and stats.acceptance_rate == 1.0
+    # 6 full rounds of 4 + 1 tokens, then the 31st token without drafts
+    assert list(stats.accepted_length_histogram) == [1, 0, 0, 0, 6] and stats.tokens_per_target_forward > 4
+
+
+def test_no_draft_tokens_are_spent_past_max_new_tokens(self_draft_stack: Stack) -> None:
+    stats = (
+        Client(self_draft_stack.address)
+        .generate(PROMPT, strategy="speculative", num_speculative_tokens=8, max_new_tokens=3, ignore_eos=True)
+        .stats
+    )
+    assert (stats.drafted_tokens, stats.rounds, stats.new_tokens) == (2, 1, 3)
+
+
+def test_eos_and_stop_strings_trim_a_round_like_target_greedy(self_draft_stack: Stack) -> None:
+    """Accepted drafts make rounds of several tokens: an eos or a stop string inside one must cut
+    the output exactly where target-only greedy decoding stops."""
+    client = Client(self_draft_stack.address)
+    trimmed = 0
+    for prompt in ["def add(a, b):", "import os", PROMPT]:
+        for stop in [None, ["("], ["\n"], ["o"]]:
+            expected = client.generate(prompt, strategy="greedy", max_new_tokens=40, stop=stop)
+            result = client.generate(
+                prompt, strategy="speculative", num_speculative_tokens=5, max_new_tokens=40, stop=stop
+            )
+            assert (result.token_ids, result.text, result.finish_reason) == (
+                expected.token_ids,
+                expected.text,
+                expected.finish_reason,
+            )
+            check_stats_add_up(result.stats, untrimmed=False)
+            stats = result.stats
+            trimmed += stats.new_tokens < stats.accepted_tokens + stats.corrections + stats.bonus_tokens
+    assert trimmed > 0, "no round was cut short: the test lost its point"
+
+
+@pytest.mark.parametrize("processors", [{"repetition_penalty": 1.3}, {"no_repeat_ngram_size": 2}])
+def test_penalties_warp_both_sides_alike_so_greedy_output_is_unchanged(
+    llama_stack: Stack, llama_ngram_stack: Stack, processors: dict[str, Any]
+) -> None:
+    expected = (
+        Client(llama_stack.address)
+        .generate(PROMPT, strategy="greedy", max_new_tokens=24, ignore_eos=True, **processors)
+        .token_ids
+    )
+    for stack in (llama_stack, llama_ngram_stack):
+        result = Client(stack.address).generate(
+            PROMPT, strategy="speculative", num_speculative_tokens=3, max_new_tokens=24, ignore_eos=True, **processors
+        )
+        assert result.token_ids == expected
+
+
+def test_truncated_sampling_never_leaves_the_target_support(small_stack: Stack, small_target_dir: Path) -> None:
+    """top-k distributions travel sparse; every token out must be in the target's top k."""
+    client = Client(small_stack.address)
+    prompt_ids = [2, 3, 4, 2, 3]
+    model: Any = hf_model(small_target_dir)
+    for seed in range(3):
+        result = client.generate(
+            prompt_ids=prompt_ids, strategy="speculative", top_k=3, seed=seed, max_new_tokens=24, ignore_eos=True
+        )
+        assert result.stats.accepted_tokens > 0
+        sequence = torch.tensor([prompt_ids + result.token_ids])
+        with torch.no_grad():
+            logits = model(sequence).logits[0, len(prompt_ids) - 1 : -1]  # [new, V]: the positions that chose them
+        top = logits.topk(3, dim=-1).indices
+        assert all(token in row for token, row in zip(result.token_ids, top.tolist(), strict=True))
+
+
+def test_a_confident_draft_may_stop_early_and_the_output_is_unchanged(
+    self_draft_stack: Stack, llama_stack: Stack
+) -> None:
+    for stack in (self_draft_stack, llama_stack):
+        client = Client(stack.address)
+        expected = client.generate(PROMPT, strategy="greedy", max_new_tokens=24, ignore_eos=True).token_ids
+        result = client.generate(
+            PROMPT,
+            strategy="speculative",
+            num_speculative_tokens=6,
+            draft_confidence_threshold=0.9,
+            max_new_tokens=24,
+            ignore_eos=True,
+        )
+        assert result.token_ids == expected
+        check_stats_add_up(result.stats, untrimmed=True)
+        assert result.stats.drafted_tokens < 6 * (result.stats.rounds - 1)  # some rounds drafted fewer than γ
+
+
+def test_drafts_never_overrun_the_context(small_stack: Stack) -> None:
+    prompt = "abcdefghijklmnopqr" * 6 + "abcd"  # 112 of the 128 positions
+    result = Client(small_stack.address).generate(
+        prompt,
+        strategy="speculative",
+        num_speculative_tokens=8,
+        max_new_tokens=16,
+        ignore_eos=True,
+        temperature=1.0,
+        seed=1,
+    )
+    assert len(result.token_ids) == 16
+    check_stats_add_up(result.stats, untrimmed=True)
+
+
+def test_a_seed_reproduces_a_sampled_generation(small_stack: Stack) -> None:
+    client = Client(small_stack.address)
+
+    def run(seed: int) -> list[int]:
+        return client.generate(
+            "abcab", strategy="speculative", temperature=1.0, seed=seed, max_new_tokens=20, ignore_eos=True
+        ).token_ids
+
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+def test_sessions_are_freed_after_each_generation(llama_stack: Stack) -> None:
+    Client(llama_stack.address).generate(PROMPT, strategy="speculative", max_new_tokens=5, stop=["("])
+    servicers = (llama_stack.target.servicer, llama_stack.draft.servicer)
+    llama_stack.loop.run(_until(lambda: all(s.active_sessions == 0 for s in servicers)))
+
+
+async def _until(condition: Any, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "sessions still open"
+        await asyncio.sleep(0.01)
+
+
+def test_speculative_without_a_draft_service_is_a_failed_precondition(
+    loop: LoopThread, llama_stack: Stack, llama_target_dir: Path
+) -> None:
+    orchestrator = loop.run(start_orchestrator(llama_stack.target.address, None, str(llama_target_dir)))
+    try:
+        with pytest.raises(GenerationError) as error:
+            Client(orchestrator.address).generate(PROMPT, strategy="speculative", max_new_tokens=4)
+        assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION and "draft" in error.value.message
+    finally:
+        loop.run(orchestrator.running.server.stop(0))
+
+
+def test_ngram_drafter_accepts_text_that_repeats_the_prompt(llama_ngram_stack: Stack) -> None:
+    info = Client(llama_ngram_stack.address).info()
+    assert "ngram" in info.draft_capabilities
+    result = Client(llama_ngram_stack.address).generate(
+        PROMPT, strategy="speculative", num_speculative_tokens=6, max_new_tokens=48, ignore_eos=True
+    )
+    assert result.stats.accepted_tokens > 0 and result.stats.draft_forwards == 0
+    check_stats_add_up(result.stats, untrimmed=True)
+
+
+def test_draft_service_builds_the_ngram_drafter_from_the_target_dir(llama_target_dir: Path) -> None:
+    config = ModelServiceConfig(role="draft", model=str(llama_target_dir), drafter="ngram", ngram_max=4, ngram_min=2)
+    backend = build_backend(config)
+    assert isinstance(backend, NgramDrafter) and (backend.ngram_max, backend.ngram_min) == (4, 2)
+    with pytest.raises(InvalidArgument):
+        build_backend(ModelServiceConfig(role="draft", model=str(llama_target_dir), drafter="ngram", ngram_min=0))
+
+
+def test_cli_json_shows_the_speculative_statistics(
+    llama_ngram_stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["generate", "--address", llama_ngram_stack.address, "--prompt", PROMPT, "--strategy", "speculative"]
+    argv += ["--num-speculative-tokens", "3", "--max-new-tokens", "12", "--ignore-eos", "--json"]
+    assert cli_main(argv) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    for name in ("drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "corrections"):
+        assert name in stats
+    assert stats["new_tokens"] == 12 == stats["accepted_tokens"] + stats["corrections"] + stats["bonus_tokens"]
+    assert sum(stats["accepted_length_histogram"]) == stats["rounds"]
