@@ -90,6 +90,7 @@ class Decoder:
         tokenizer: PreTrainedTokenizerBase,
         max_new_tokens_limit: int = 4096,
         default_max_new_tokens: int = 64,
+        max_tokens_per_round: int = 8,
         tracing: telemetry.Tracing | None = None,
         metrics: OrchestratorMetrics | None = None,
     ) -> None:
@@ -98,6 +99,7 @@ class Decoder:
         self.draft = draft
         self.tokenizer = tokenizer
         self.tracing = tracing
+        self.max_tokens_per_round = max_tokens_per_round
         self.metrics = metrics
         self.limits = Limits(
             max_new_tokens=max_new_tokens_limit,
@@ -189,6 +191,7 @@ class Decoder:
             draft=self.draft,
             eos_token_ids=self.eos_token_ids,
             generator=torch.Generator().manual_seed(seed),
+            max_tokens_per_round=self.max_tokens_per_round,
             tracing=self.tracing,
             root_span=root_span,
             metrics=self.metrics,

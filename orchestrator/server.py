@@ -123,7 +123,14 @@ async def build_decoder(
     if tokenizer is None:
         raise FailedPrecondition(f"no tokenizer could be loaded from {source!r}; pass --tokenizer DIR_OR_HUB_ID")
     return Decoder(
-        target, draft, tokenizer, config.max_new_tokens_limit, config.default_max_new_tokens, tracing, metrics
+        target,
+        draft,
+        tokenizer,
+        max_new_tokens_limit=config.max_new_tokens_limit,
+        default_max_new_tokens=config.default_max_new_tokens,
+        max_tokens_per_round=config.max_tokens_per_round,
+        tracing=tracing,
+        metrics=metrics,
     )
 
 

@@ -44,6 +44,8 @@ class OrchestratorConfig:
     port: int = 50051
     max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 64
+    # Target-only greedy/sampling: tokens the target may decide in one message (1 = one per trip).
+    max_tokens_per_round: int = 8
     connect_timeout_s: float = 60.0
     grace_s: float = 10.0
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)

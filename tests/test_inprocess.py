@@ -56,3 +56,28 @@ def test_async_client_matches_sync(llama_stack: Stack) -> None:
     assert result.token_ids == streamed == sync.generate(prompt="import os", max_new_tokens=10, ignore_eos=True).token_ids
     assert health == "SERVING" == sync.health()
     assert target_model.endswith("llama-target")
+
+
+def test_multi_step_rounds_decide_the_same_greedy_tokens(llama_target_dir: Path) -> None:
+    """One token per round and up to 8 per round give the same output; only the trips differ."""
+    tokenizer = load_tokenizer(str(llama_target_dir))
+    assert tokenizer is not None
+    target = LocalModel(load_engine(llama_target_dir, "target"), "target")
+    request = build_request(prompt="def add(a, b):", max_new_tokens=40, ignore_eos=True, repetition_penalty=1.2)
+    one = asyncio.run(Decoder(target, None, tokenizer, max_tokens_per_round=1).generate(request))
+    eight = asyncio.run(Decoder(target, None, tokenizer, max_tokens_per_round=8).generate(request))
+    assert one.token_ids == eight.token_ids
+    assert one.stats.rounds == 40
+    assert eight.stats.rounds == 8  # 1, 2, 4, 8, 8, 8, 8 and the last 1
+    assert one.stats.target.forward_calls == eight.stats.target.forward_calls == 40
+
+
+def test_multi_step_sampling_reproduces_from_the_seed(llama_target_dir: Path) -> None:
+    tokenizer = load_tokenizer(str(llama_target_dir))
+    assert tokenizer is not None
+    decoder = Decoder(LocalModel(load_engine(llama_target_dir, "target"), "target"), None, tokenizer)
+    def run(seed: int) -> list[int]:
+        request = build_request(prompt="import", strategy="sample", seed=seed, top_k=50, max_new_tokens=30, ignore_eos=True)
+        return asyncio.run(decoder.generate(request)).token_ids
+    assert run(4) == run(4)
+    assert run(4) != run(5)
