@@ -17,13 +17,13 @@ as in `GenerationMixin._beam_search`:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import torch
 
 from orchestrator.context import BeamSequence, DecodeContext
-from specwire.session import OpenRequest, Scores, ScoreKind, Scoring, StepRequest
+from specwire.session import OpenRequest, ScoreKind, Scores, Scoring, StepRequest
 
 MASKED = -1.0e9  # transformers' stand-in for -inf in beam scores
 
@@ -123,7 +123,7 @@ def _candidates(scores: Scores, num_beams: int) -> tuple[torch.Tensor, torch.Ten
     return ids, dense
 
 
-async def beam_search(ctx: DecodeContext) -> AsyncIterator[list[int]]:
+async def beam_search(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
     params = ctx.params
     n_eos = 0 if params.ignore_eos else len(ctx.eos_token_ids)
     eos_ids = frozenset() if params.ignore_eos else ctx.eos_token_ids

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from opentelemetry.trace import Span, SpanKind
@@ -35,7 +36,7 @@ from specwire.errors import FailedPrecondition, InvalidArgument, StatusError
 from specwire.metrics import OrchestratorMetrics
 from specwire.session import ModelInfo
 
-Strategy = Callable[[DecodeContext], AsyncIterator[list[int]]]
+Strategy = Callable[[DecodeContext], AsyncGenerator[list[int], None]]
 
 STRATEGIES: dict[str, Strategy] = {
     "greedy": standard,
@@ -108,6 +109,9 @@ class Decoder:
             vocab_size=target.info.vocab_size,
         )
         self.eos_token_ids = frozenset(target.info.eos_token_ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
     def prepare(self, request: orchestrator_pb2.GenerateRequest) -> tuple[GenerationParams, list[int]]:
         request_params.check_prompt(request, self.limits.vocab_size)

@@ -9,6 +9,7 @@ just before it and `token_ids` end with the token that completed it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -31,7 +32,7 @@ class Output:
         return self.finish_reason is not None
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[no-any-return]
+        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=True))
 
     @property
     def text(self) -> str:

@@ -116,7 +116,7 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     if not 1 <= num_return <= num_beams:
         raise InvalidArgument("num_return_sequences", f"must be in [1, num_beams={num_beams}], got {num_return}")
     length_penalty = _finite(_opt(request, "length_penalty", 1.0), "length_penalty")
-    early = {"": False, "false": False, "true": True, "never": "never"}
+    early: dict[str, bool | str] = {"": False, "false": False, "true": True, "never": "never"}
     if request.early_stopping.lower() not in early:
         raise InvalidArgument("early_stopping", f"must be 'false', 'true' or 'never', got {request.early_stopping!r}")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specwire.session import Scores, ScoreKind
+from specwire.session import ScoreKind, Scores
 
 
 def choose(scores: Scores, row: int, generator: torch.Generator | None) -> int:

@@ -27,7 +27,7 @@ SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full
 def _sequences_pb(decoder: Decoder, sequences: list[BeamSequence]) -> list[orchestrator_pb2.Sequence]:
     return [
         orchestrator_pb2.Sequence(
-            token_ids=s.token_ids, text=decoder.tokenizer.decode(s.token_ids, skip_special_tokens=True), score=s.score
+            token_ids=s.token_ids, text=decoder.decode(s.token_ids), score=s.score
         )
         for s in sequences
     ]

@@ -28,7 +28,7 @@ with `ignore_eos` and no stop strings, `new_tokens` = accepted + corrections + b
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import torch
@@ -116,7 +116,7 @@ class SessionSync:
         return keep, history[self.valid :]
 
 
-async def speculative(ctx: DecodeContext) -> AsyncIterator[list[int]]:
+async def speculative(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
     params = ctx.params
     score_kind = ScoreKind.PROBS if params.do_sample else ScoreKind.ARGMAX
     draft, target = ctx.draft_session(), ctx.target_session()

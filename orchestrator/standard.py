@@ -12,14 +12,14 @@ or stop string in a round are computed and dropped; `max_new_tokens` is never ov
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from orchestrator.context import DecodeContext
 from orchestrator.sampling import choose
 from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
 
 
-async def standard(ctx: DecodeContext) -> AsyncIterator[list[int]]:
+async def standard(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
     params = ctx.params
     scoring = Scoring(ScoreKind.PROBS if params.do_sample else ScoreKind.ARGMAX)
     target = ctx.target_session()

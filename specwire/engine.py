@@ -14,7 +14,7 @@ import inspect
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
@@ -30,8 +30,8 @@ from specwire.processing import (
 from specwire.session import (
     ModelInfo,
     OpenRequest,
-    Scores,
     ScoreKind,
+    Scores,
     Scoring,
     ServerTiming,
     StepRequest,
@@ -116,7 +116,8 @@ class CausalLM:
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
-        return cls.from_model(model.to(torch_device), load_tokenizer(source), name or source, source)
+        model = cast(Any, model).to(torch_device)
+        return cls.from_model(model, load_tokenizer(source), name or source, source)
 
     @classmethod
     def from_model(
@@ -273,7 +274,7 @@ class EngineSession:
         index = torch.tensor(order, dtype=torch.long)
         self.tokens = self.tokens.index_select(0, index)
         if self.cache is not None and self.cached > 0:
-            self.cache.reorder_cache(index.to(self.lm.device))
+            self.cache.reorder_cache(cast(torch.LongTensor, index.to(self.lm.device)))
 
     def _append(self, ids: list[int]) -> None:
         if len(ids) % self.num_branches:

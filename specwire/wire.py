@@ -7,6 +7,8 @@ at the edge of each process (STYLE.md). Tensors cost one copy each way: `tobytes
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from protos import common_pb2, model_pb2
@@ -14,8 +16,8 @@ from specwire.processing import ProcessingConfig
 from specwire.session import (
     ModelInfo,
     OpenRequest,
-    Scores,
     ScoreKind,
+    Scores,
     Scoring,
     ServerTiming,
     StepRequest,
@@ -68,7 +70,7 @@ def _optional_tensor(message: model_pb2.Scores, name: str) -> torch.Tensor | Non
 
 
 def scores_to_pb(scores: Scores) -> model_pb2.Scores:
-    message = model_pb2.Scores(kind=int(scores.kind))
+    message = model_pb2.Scores(kind=cast(model_pb2.ScoreKind, int(scores.kind)))
     for name in ("argmax_ids", "dense", "sparse_ids", "sparse_values"):
         tensor = getattr(scores, name)
         if tensor is not None:
@@ -112,7 +114,7 @@ def processing_from_pb(message: model_pb2.ProcessingConfig) -> ProcessingConfig:
 
 def scoring_to_pb(scoring: Scoring) -> model_pb2.Scoring:
     return model_pb2.Scoring(
-        kind=int(scoring.kind),
+        kind=cast(model_pb2.ScoreKind, int(scoring.kind)),
         positions=scoring.positions,
         top_n=scoring.top_n,
         logits_dtype=scoring.logits_dtype,

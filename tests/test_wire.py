@@ -12,7 +12,7 @@ import torch
 from protos import common_pb2
 from specwire import wire
 from specwire.processing import ProcessingConfig
-from specwire.session import OpenRequest, Scores, ScoreKind, Scoring, ServerTiming, StepRequest, StepResult
+from specwire.session import OpenRequest, ScoreKind, Scores, Scoring, ServerTiming, StepRequest, StepResult
 
 ROOT = Path(__file__).resolve().parent.parent
 
