@@ -1,16 +1,19 @@
-"""The `specwire` command line: serve, up, generate, demo."""
+"""The `specwire` command line: serve, up, generate, demo, trace."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from client import bench, experiment
 from client.sdk import Client, GenerateResult, GenerationError, stats_as_dict
 
 # Generation flags: (flag, type, help). The SDK keyword is the flag with underscores.
@@ -44,6 +47,29 @@ def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: i
         parser.add_argument("--drafter", default="model", choices=["model", "ngram"])
         parser.add_argument("--ngram-max", type=int, default=3, help="n-gram drafter: longest n-gram to match")
         parser.add_argument("--ngram-min", type=int, default=1, help="n-gram drafter: shortest n-gram to match")
+    _add_telemetry_flags(parser)
+
+
+def _add_telemetry_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trace-exporter", default="none", choices=["none", "otlp", "console", "file"],
+        help="OpenTelemetry span export; otlp reads the OTEL_EXPORTER_OTLP_* variables",
+    )
+    parser.add_argument("--trace-file", help="--trace-exporter file: JSON lines, one span per line")
+    parser.add_argument("--trace-sample-ratio", type=float, default=1.0, help="fraction of new traces kept, in [0, 1]")
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = off)")
+
+
+def _telemetry_config(args: argparse.Namespace) -> Any:
+    from specwire.config import TelemetryConfig
+
+    if args.trace_file and args.trace_exporter == "none":
+        args.trace_exporter = "file"  # a file named is a file wanted
+    if args.trace_exporter == "file" and not args.trace_file:
+        raise SystemExit("--trace-exporter file needs --trace-file PATH")
+    if not 0.0 <= args.trace_sample_ratio <= 1.0:
+        raise SystemExit(f"--trace-sample-ratio must be in [0, 1], got {args.trace_sample_ratio}")
+    return TelemetryConfig(args.trace_exporter, args.trace_file, args.trace_sample_ratio, args.metrics_port)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--host", default="127.0.0.1")
     orch.add_argument("--port", type=int, default=50051)
     orch.add_argument("--max-new-tokens-limit", type=int, default=4096)
+    orch.add_argument(
+        "--max-tokens-per-round", type=int, default=8,
+        help="target-only decoding: tokens the target may decide per message (1 = one per round trip)",
+    )
+    _add_telemetry_flags(orch)
 
     up = commands.add_parser("up", help="run all three services until Ctrl-C / SIGTERM")
     _add_stack_flags(up)
@@ -80,6 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stack_flags(demo)
     demo.add_argument("--prompt", default="def fibonacci(n):\n")
     demo.add_argument("--max-new-tokens", type=int, default=48)
+
+    traces = commands.add_parser("trace", help="analyse trace files")
+    trace_commands = traces.add_subparsers(dest="trace_command", required=True)
+    summarize = trace_commands.add_parser(
+        "summarize", help="per-round breakdown (draft, target, queue, network, orchestrator) from JSONL span files"
+    )
+    summarize.add_argument("paths", nargs="+", help="JSONL span files, or directories of them (`up --trace-dir`)")
+    summarize.add_argument("--plot", help="also write a stacked-bar chart of the rounds to this PNG")
+    summarize.add_argument("--json", action="store_true", help="print the summary as JSON")
+    bench.add_parser(commands)
+    experiment.add_parser(commands)
     return parser
 
 
@@ -90,6 +132,11 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50051, help="orchestrator port; draft on +1, target on +2")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--trace-dir", help="each service writes its spans to DIR/<service>.jsonl")
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus: orchestrator on P, draft P+1, target P+2")
+    parser.add_argument("--rtt-ms", type=float, default=0.0, help="emulated round trip to each model service (delay proxy)")
+    parser.add_argument("--jitter-ms", type=float, default=0.0, help="± uniform jitter on each one-way delay")
+    parser.add_argument("--bandwidth-mbps", type=float, default=0.0, help="per-direction bandwidth cap (0 = none)")
 
 
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
@@ -152,6 +199,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stack_telemetry_args(args: argparse.Namespace, service: str, port_offset: int) -> tuple[str, ...]:
+    """`serve` flags that give one service of `up` / `demo` its trace file and metrics port."""
+    extra: list[str] = []
+    if args.trace_dir:
+        path = Path(args.trace_dir).resolve()
+        path.mkdir(parents=True, exist_ok=True)
+        extra += ["--trace-exporter", "file", "--trace-file", str(path / f"{service}.jsonl")]
+    if args.metrics_port:
+        extra += ["--metrics-port", str(args.metrics_port + port_offset)]
+    return tuple(extra)
+
+
 def _stack_config(args: argparse.Namespace) -> Any:
     from client.launcher import StackConfig
 
@@ -162,6 +221,12 @@ def _stack_config(args: argparse.Namespace) -> Any:
         drafter=args.drafter,
         device=args.device,
         dtype=args.dtype,
+        extra_target_args=_stack_telemetry_args(args, "target", 2),
+        extra_draft_args=_stack_telemetry_args(args, "draft", 1),
+        extra_orchestrator_args=_stack_telemetry_args(args, "orchestrator", 0),
+        rtt_ms=args.rtt_ms,
+        jitter_ms=args.jitter_ms,
+        bandwidth_mbps=args.bandwidth_mbps,
     )
 
 
@@ -181,6 +246,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"orchestrator  {c.address}")
     print(f"draft         {c.host}:{c.draft_port}")
     print(f"target        {c.host}:{c.target_port}")
+    if c.proxied:
+        print(f"delay proxies draft {c.host}:{c.draft_proxy_port}, target {c.host}:{c.target_proxy_port} "
+              f"(RTT {c.rtt_ms:g} ms ± {c.jitter_ms:g}, {c.bandwidth_mbps or '∞'} Mbit/s)")
+    if args.trace_dir:
+        print(f"traces        {Path(args.trace_dir).resolve()}/{{orchestrator,draft,target}}.jsonl")
+    if args.metrics_port:
+        print(f"metrics       http://{c.host}:{args.metrics_port}/metrics (draft +1, target +2)")
     print("Ctrl-C stops all three.", flush=True)
     try:
         while not stopping["signal"]:
@@ -203,13 +275,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
         with Client(stack.config.address, timeout=120) as client:
             runs: list[tuple[str, dict[str, Any]]] = [
                 ("greedy", {"strategy": "greedy"}),
+                ("greedy, repetition penalty 1.3, no repeated 3-grams",
+                 {"strategy": "greedy", "repetition_penalty": 1.3, "no_repeat_ngram_size": 3}),
                 ("sample (T=0.8, top-p 0.95, seed 1)", {"strategy": "sample", "temperature": 0.8, "top_p": 0.95, "seed": 1}),
-                ("beam (4 beams)", {"strategy": "beam", "num_beams": 4}),
+                ("beam (4 beams, no repeated 3-grams)", {"strategy": "beam", "num_beams": 4, "no_repeat_ngram_size": 3}),
+                ("speculative (γ=4): same text as greedy, fewer target forwards",
+                 {"strategy": "speculative", "num_speculative_tokens": 4}),
+                ("contrastive (O'Brien & Lewis, α=0.1, β=0.5)", {"strategy": "contrastive"}),
             ]
             for label, kwargs in runs:
                 result = client.generate(prompt=args.prompt, max_new_tokens=args.max_new_tokens, **kwargs)
                 s = result.stats
-                print(f"\n=== {label}: {s.new_tokens} tokens, {s.wall_ms:.0f} ms, finish={result.finish_reason}")
+                line = f"\n=== {label}\n    {s.new_tokens} tokens in {s.wall_ms:.0f} ms, {s.target_forwards} target forwards"
+                if s.drafted_tokens:
+                    line += f", acceptance {s.acceptance_rate:.0%}, {s.tokens_per_target_forward:.2f} tokens/forward"
+                print(line + f", finish={result.finish_reason}")
                 print(args.prompt + result.text)
     return 0
 
@@ -228,6 +308,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 host=args.host,
                 port=args.port,
                 max_new_tokens_limit=args.max_new_tokens_limit,
+                max_tokens_per_round=args.max_tokens_per_round,
+                telemetry=_telemetry_config(args),
             )
         )
         return 0
@@ -242,6 +324,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         drafter=getattr(args, "drafter", "model"),
         ngram_max=getattr(args, "ngram_max", 3),
         ngram_min=getattr(args, "ngram_min", 1),
+        telemetry=_telemetry_config(args),
     )
     if args.role == "draft":
         from draft_service.server import main as serve_draft
@@ -254,10 +337,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve}
+def cmd_trace(args: argparse.Namespace) -> int:
+    from specwire.trace_summary import format_summary, plot_rounds, summarize
+
+    try:
+        summary = summarize(args.paths)
+    except FileNotFoundError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary.to_dict(), indent=2) if args.json else format_summary(summary))
+    if args.plot:
+        if not summary.rounds:
+            print("error: no round spans to plot", file=sys.stderr)
+            return 1
+        plot_rounds(summary, args.plot)
+        if not args.json:
+            print(f"plot: {args.plot}")
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Draft and target often share a CPU box: OpenMP threads that spin after each forward pass
+    # steal the cores the other service is computing on (measured: 60× slower steps on 2 cores).
+    # Must be set before torch loads OpenMP; an explicit setting wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     try:

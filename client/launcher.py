@@ -27,6 +27,11 @@ class StackConfig:
     extra_target_args: tuple[str, ...] = ()
     extra_draft_args: tuple[str, ...] = ()
     extra_orchestrator_args: tuple[str, ...] = ()
+    # Emulated link between the orchestrator and each model service (`specwire.delay_proxy`):
+    # any of these > 0 puts a proxy child in front of each service, one-way delay = rtt / 2.
+    rtt_ms: float = 0.0
+    jitter_ms: float = 0.0
+    bandwidth_mbps: float = 0.0
 
     @property
     def draft_port(self) -> int:
@@ -39,6 +44,25 @@ class StackConfig:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def proxied(self) -> bool:
+        return self.rtt_ms > 0 or self.jitter_ms > 0 or self.bandwidth_mbps > 0
+
+    @property
+    def draft_proxy_port(self) -> int:
+        return self.port + 3
+
+    @property
+    def target_proxy_port(self) -> int:
+        return self.port + 4
+
+
+def _proxy_command(listen: str, upstream: str, c: StackConfig) -> list[str]:
+    return [
+        sys.executable, "-m", "specwire.delay_proxy", "--listen", listen, "--upstream", upstream,
+        "--delay-ms", str(c.rtt_ms / 2), "--jitter-ms", str(c.jitter_ms), "--bandwidth-mbps", str(c.bandwidth_mbps),
+    ]
 
 
 def _serve_command(role: str, *args: str) -> list[str]:
@@ -59,16 +83,25 @@ class Stack:
         if c.target_model:
             target_args += ["--model", c.target_model]
         draft_args = [*model_args, "--port", str(c.draft_port), "--drafter", c.drafter, *c.extra_draft_args]
-        if c.draft_model:
-            draft_args += ["--model", c.draft_model]
+        # The n-gram drafter needs only a tokenizer: the target's, unless told otherwise.
+        draft_source = c.draft_model or (c.target_model if c.drafter == "ngram" else None)
+        if draft_source:
+            draft_args += ["--model", draft_source]
         self._spawn("target", _serve_command("target", *target_args), log_dir)
         self._spawn("draft", _serve_command("draft", *draft_args), log_dir)
         self._wait(["target", "draft"], timeout)
+        target_address, draft_address = f"{c.host}:{c.target_port}", f"{c.host}:{c.draft_port}"
+        if c.proxied:
+            proxies = {"target-proxy": (c.target_proxy_port, target_address), "draft-proxy": (c.draft_proxy_port, draft_address)}
+            for role, (port, upstream) in proxies.items():
+                self._spawn(role, _proxy_command(f"{c.host}:{port}", upstream, c), log_dir, ready_label="proxy")
+            self._wait(list(proxies), timeout)
+            target_address, draft_address = f"{c.host}:{c.target_proxy_port}", f"{c.host}:{c.draft_proxy_port}"
         orchestrator_args = [
             "--host", c.host,
             "--port", str(c.port),
-            "--target", f"{c.host}:{c.target_port}",
-            "--draft", f"{c.host}:{c.draft_port}",
+            "--target", target_address,
+            "--draft", draft_address,
             *c.extra_orchestrator_args,
         ]
         if c.target_model:
@@ -76,7 +109,7 @@ class Stack:
         self._spawn("orchestrator", _serve_command("orchestrator", *orchestrator_args), log_dir)
         self._wait(["orchestrator"], timeout)
 
-    def _spawn(self, role: str, command: list[str], log_dir: Path | None) -> None:
+    def _spawn(self, role: str, command: list[str], log_dir: Path | None, ready_label: str | None = None) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
@@ -88,7 +121,7 @@ class Stack:
         def pump() -> None:
             assert process.stdout is not None
             for line in process.stdout:
-                if line.startswith(f"READY {role} "):
+                if line.startswith(f"READY {ready_label or role} "):
                     ready.set()
                 if log_file:
                     log_file.write(line)

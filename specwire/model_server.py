@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 
 import grpc
+from transformers.utils import logging as hf_logging
 
 from protos import model_pb2_grpc
 from specwire import serving, telemetry
@@ -23,6 +24,7 @@ BackendFactory = Callable[[ModelServiceConfig], Backend]
 
 def load_engine(config: ModelServiceConfig, default_model: str, default_name: str) -> Engine:
     """The model named by `--model`, or the role's embedded demo model, warmed up."""
+    hf_logging.disable_progress_bar()  # a service's log is no place for progress bars
     lm = CausalLM.load(
         config.model or default_model,
         device=config.device,

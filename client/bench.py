@@ -1,0 +1,760 @@
+"""`specwire bench`: specwire against Hugging Face transformers, same prompts, models and settings.
+
+One invocation measures, side by side and interleaved across repeats (each repeat runs the rows
+in a freshly shuffled order, so drifting machine load spreads over all of them):
+
+  (a) `hf_target`                  transformers `generate`, target only, in-process;
+  (b) `hf_assisted_default`        assisted generation with `assistant_model` and the assistant's
+                                   installed defaults (transformers 5.23: schedule "constant",
+                                   20 tokens, assistant_confidence_threshold 0.4);
+      `hf_assisted_heuristic`      num_assistant_tokens_schedule "heuristic" from γ (+2 after a fully
+                                   accepted round, −1 otherwise), confidence threshold off; the
+                                   schedule's state is reset before every call so calls are comparable;
+      `hf_assisted_constant`       "constant" γ tokens, confidence threshold off (Leviathan et al.);
+      `hf_prompt_lookup`           `prompt_lookup_num_tokens` = γ (n-gram matching, size ≤ 2);
+  (c) `specwire_greedy`            target-only greedy through the orchestrator over gRPC;
+  (d) `specwire_speculative`       speculative with the draft model over gRPC, γ;
+      `specwire_speculative_ngram` speculative with the n-gram drafter (a second stack).
+
+Every row decodes greedily and ignores end-of-sequence (transformers: `eos_token_id=None`;
+specwire: `ignore_eos`), so every row generates exactly `max_new_tokens` tokens per prompt, and
+`matches_hf_target` records the share of (repeat, prompt) pairs whose tokens equal row (a)'s.
+The specwire rows run against three real services started by `client.launcher.Stack` on
+loopback; time is measured by the client around each `Generate` call.
+
+Derived figures (null where they do not apply):
+  ratio_vs_hf_target / ratio_vs_hf_assisted: the median over repeats of this row's tokens/s over
+    row (a)'s / the best (b) row's (best median tokens/s) in the same repeat (paired ratios);
+  acceptance_rate: accepted / drafted tokens; alpha: accepted / (accepted + rejections), the
+    per-token acceptance probability of the i.i.d. model (`client.speedup.alpha_estimate`);
+  cost_ratio_c: (draft compute per drafted token) / (target compute per target forward) — the
+    services' own reported compute for specwire rows, forward hooks on the in-process models for
+    transformers rows;
+  predicted_speedup: Leviathan et al. (1 − α^(γ+1)) / ((1 − α)(γ·c + 1)) with γ = mean drafted
+    tokens per round; efficiency: measured speedup (over (c) for specwire rows, over (a) for
+    transformers rows) / predicted_speedup;
+  bytes_per_round, overhead_ms_per_round (orchestrator time per round: wall − waiting on services)
+    and the rest of the round breakdown come from the orchestrator's `GenerationStats`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from client.launcher import Stack, StackConfig
+from client.speedup import alpha_estimate, predicted_speedup
+
+SCHEMA = "specwire.bench/1"
+
+# Code the demo pair was trained on (the Python standard library) would be memorised; these are
+# ordinary openings of the kinds of code it saw.
+DEFAULT_PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    'class LRUCache:\n    """A least-recently-used cache."""\n\n    def __init__(self, capacity):\n',
+    "    def __repr__(self):\n        return ",
+]
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    name: str
+    group: str  # "hf_target" (a), "hf_assisted" (b), "specwire" (c, d)
+    description: str
+
+
+ROWS = [
+    RowSpec("hf_target", "hf_target", "transformers generate, target only (greedy)"),
+    RowSpec("hf_assisted_default", "hf_assisted", "transformers assisted, installed defaults"),
+    RowSpec("hf_assisted_heuristic", "hf_assisted", "transformers assisted, heuristic schedule from γ"),
+    RowSpec("hf_assisted_constant", "hf_assisted", "transformers assisted, constant γ"),
+    RowSpec("hf_prompt_lookup", "hf_assisted", "transformers prompt lookup, γ tokens"),
+    RowSpec("specwire_greedy", "specwire", "specwire greedy, target only, gRPC"),
+    RowSpec("specwire_speculative", "specwire", "specwire speculative, draft model, γ, gRPC"),
+    RowSpec("specwire_speculative_ngram", "specwire", "specwire speculative, n-gram drafter, γ, gRPC"),
+]
+ROW_NAMES = [row.name for row in ROWS]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target_model: str
+    draft_model: str
+    prompts: list[str]
+    max_new_tokens: int = 64
+    repeats: int = 3
+    gamma: int = 4
+    device: str = "auto"
+    dtype: str = "auto"
+    rows: tuple[str, ...] = tuple(ROW_NAMES)
+    seed: int = 0
+    warmup: bool = True
+    port: int = 0  # base port of the stacks (orchestrator; services on +1, +2; proxies +3, +4); 0 = free ones
+    show_progress: bool = True
+
+
+@dataclass
+class Sample:
+    """One generation's outcome, whichever engine produced it."""
+
+    token_ids: list[int]
+    seconds: float  # wall time of the call, measured by the caller
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rejected: int = 0  # rounds ended by a rejected draft token (a correction)
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    target_compute_ms: float = 0.0
+    draft_compute_ms: float = 0.0
+    # specwire only (the orchestrator's GenerationStats):
+    server_wall_ms: float | None = None
+    network_ms: float | None = None
+    queue_ms: float | None = None
+    orchestrator_ms: float | None = None
+    bytes_total: int | None = None
+
+
+@dataclass
+class RowResult:
+    spec: RowSpec
+    samples: list[list[Sample]] = field(default_factory=list)  # [repeat][prompt]
+    error: str | None = None
+
+    def tokens_per_s(self) -> list[float]:
+        """One figure per repeat: all prompts' tokens over all prompts' seconds."""
+        return [sum(len(s.token_ids) for s in run) / sum(s.seconds for s in run) for run in self.samples if run]
+
+
+# -- transformers, in-process -------------------------------------------------------------------
+
+
+class ForwardTimer:
+    """Counts and times every forward call of a module with a pair of hooks."""
+
+    def __init__(self, module: Any) -> None:
+        self.durations_ms: list[float] = []
+        self._started = 0.0
+        module.register_forward_pre_hook(self._before)
+        module.register_forward_hook(self._after)
+
+    def _before(self, *args: Any) -> None:
+        self._started = time.perf_counter()
+
+    def _after(self, *args: Any) -> None:
+        self.durations_ms.append((time.perf_counter() - self._started) * 1e3)
+
+    def take(self) -> list[float]:
+        taken, self.durations_ms = self.durations_ms, []
+        return taken
+
+
+@contextlib.contextmanager
+def count_verifications(log: list[tuple[int, int]]) -> Iterator[None]:
+    """Record (candidates, matches) of every assisted-generation round.
+
+    transformers calls `update_candidate_strategy(input_ids, scores, num_matches)` once per round
+    with scores for candidates + 1 positions; the assistant's override does not call the base
+    one, so wrapping both counts each round once. Restored on exit.
+    """
+    from transformers.generation import candidate_generator
+
+    classes: tuple[Any, ...] = (candidate_generator.CandidateGenerator, candidate_generator.AssistedCandidateGenerator)
+    originals = [cls.__dict__["update_candidate_strategy"] for cls in classes]
+
+    def wrap(original: Callable[..., None]) -> Callable[..., None]:
+        def update_candidate_strategy(self: Any, input_ids: Any, scores: Any, num_matches: Any) -> None:
+            log.append((int(scores.shape[1]) - 1, int(num_matches)))
+            original(self, input_ids, scores, num_matches)
+
+        return update_candidate_strategy
+
+    for cls, original in zip(classes, originals, strict=True):
+        cls.update_candidate_strategy = wrap(original)
+    try:
+        yield
+    finally:
+        for cls, original in zip(classes, originals, strict=True):
+            cls.update_candidate_strategy = original
+
+
+# Assistant generation-config fields each (b) row sets; None = the installed default.
+ASSISTANT_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+
+
+class HfRunner:
+    """The target and draft as plain transformers models in this process."""
+
+    def __init__(self, target_dir: str, draft_dir: str, device: str, dtype: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        from specwire.engine import resolve_device, resolve_dtype
+
+        hf_logging.set_verbosity_error()
+        self.torch = torch
+        self.device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, self.device)
+        target: Any = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch_dtype)
+        draft: Any = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch_dtype)
+        self.target = target.to(self.device).eval()
+        self.draft = draft.to(self.device).eval()
+        self.target_timer = ForwardTimer(self.target)
+        self.draft_timer = ForwardTimer(self.draft)
+        self._assistant_defaults = {name: getattr(self.draft.generation_config, name) for name in ASSISTANT_FIELDS}
+        pad = self.target.generation_config.pad_token_id
+        self.pad_token_id = pad if pad is not None else 0
+
+    def parameters(self) -> dict[str, int]:
+        return {
+            "target": sum(p.numel() for p in self.target.parameters()),
+            "draft": sum(p.numel() for p in self.draft.parameters()),
+        }
+
+    def single_forward_ms(self, context: int = 32, count: int = 40) -> dict[str, float]:
+        """Median time of one cached single-token forward of each model: c measured directly."""
+        from transformers import DynamicCache
+
+        torch = self.torch
+        medians = {}
+        for label, model in (("target", self.target), ("draft", self.draft)):
+            ids = torch.arange(1, context + 1, device=self.device).unsqueeze(0) % model.config.vocab_size
+            times = []
+            with torch.inference_mode():
+                cache = DynamicCache()
+                model(input_ids=ids, past_key_values=cache, use_cache=True)
+                for _ in range(count):
+                    started = time.perf_counter()
+                    model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    times.append((time.perf_counter() - started) * 1e3)
+                    cache.crop(-1)  # transformers ≥ 5: a negative count removes that many
+            medians[f"{label}_forward_ms"] = statistics.median(times)
+        self.target_timer.take(), self.draft_timer.take()
+        medians["cost_ratio_c_direct"] = medians["draft_forward_ms"] / medians["target_forward_ms"]
+        return medians
+
+    def _assistant_settings(self, row: str, gamma: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(assistant generation-config fields, extra `generate` keywords) of a (b) row."""
+        if row == "hf_assisted_default":
+            return dict(self._assistant_defaults), {"assistant_model": self.draft}
+        if row == "hf_assisted_heuristic":
+            fields = {"num_assistant_tokens": gamma, "num_assistant_tokens_schedule": "heuristic"}
+            return fields | {"assistant_confidence_threshold": 0.0}, {"assistant_model": self.draft}
+        if row == "hf_assisted_constant":
+            fields = {"num_assistant_tokens": gamma, "num_assistant_tokens_schedule": "constant"}
+            return fields | {"assistant_confidence_threshold": 0.0}, {"assistant_model": self.draft}
+        if row == "hf_prompt_lookup":
+            return dict(self._assistant_defaults), {"prompt_lookup_num_tokens": gamma}
+        if row == "hf_target":
+            return dict(self._assistant_defaults), {}
+        raise ValueError(f"not a transformers row: {row!r}")
+
+    def generate(self, row: str, prompt_ids: list[int], max_new_tokens: int, gamma: int) -> Sample:
+        torch = self.torch
+        assistant_fields, extra = self._assistant_settings(row, gamma)
+        for name, value in assistant_fields.items():
+            setattr(self.draft.generation_config, name, value)
+        input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        rounds: list[tuple[int, int]] = []
+        self.target_timer.take(), self.draft_timer.take()
+        with count_verifications(rounds), torch.inference_mode():
+            started = time.perf_counter()
+            output = self.target.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,  # ignore end-of-sequence: every row makes max_new_tokens tokens
+                pad_token_id=self.pad_token_id,
+                **extra,
+            )
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - started
+        target_ms, draft_ms = self.target_timer.take(), self.draft_timer.take()
+        return Sample(
+            token_ids=output[0, len(prompt_ids) :].tolist(),
+            seconds=seconds,
+            rounds=len(rounds) if rounds else len(target_ms),
+            drafted=sum(candidates for candidates, _ in rounds),
+            accepted=sum(matches for _, matches in rounds),
+            rejected=sum(1 for candidates, matches in rounds if matches < candidates),
+            target_forwards=len(target_ms),
+            draft_forwards=len(draft_ms),
+            target_compute_ms=sum(target_ms),
+            draft_compute_ms=sum(draft_ms),
+        )
+
+
+# -- specwire over gRPC -------------------------------------------------------------------------
+
+
+def free_base_port(count: int = 5, attempts: int = 200) -> int:
+    """A port p with p … p+count−1 all free on loopback (a launcher stack takes consecutive ports)."""
+    rng = random.Random()
+    for _ in range(attempts):
+        base = rng.randrange(20000, 60000 - count)
+        try:
+            with contextlib.ExitStack() as sockets:
+                for offset in range(count):
+                    sock = sockets.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    sock.bind(("127.0.0.1", base + offset))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+def specwire_sample(client: Any, strategy: str, prompt_ids: list[int], max_new_tokens: int, gamma: int) -> Sample:
+    """One `Generate` through an orchestrator; `client` is a `client.sdk.Client`."""
+    params: dict[str, Any] = {"strategy": strategy, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+    if strategy == "speculative":
+        params["num_speculative_tokens"] = gamma
+    started = time.perf_counter()
+    result = client.generate(prompt_ids=prompt_ids, **params)
+    seconds = time.perf_counter() - started
+    s = result.stats
+    return Sample(
+        token_ids=list(result.token_ids),
+        seconds=seconds,
+        rounds=s.rounds,
+        drafted=s.drafted_tokens,
+        accepted=s.accepted_tokens,
+        rejected=s.corrections,
+        target_forwards=s.target_forwards,
+        draft_forwards=s.draft_forwards,
+        target_compute_ms=s.target_compute_ms,
+        draft_compute_ms=s.draft_compute_ms,
+        server_wall_ms=s.wall_ms,
+        network_ms=s.target_network_ms + s.draft_network_ms,
+        queue_ms=s.target_queue_ms + s.draft_queue_ms,
+        orchestrator_ms=s.orchestrator_ms,
+        bytes_total=s.target_bytes_sent + s.target_bytes_received + s.draft_bytes_sent + s.draft_bytes_received,
+    )
+
+
+# -- aggregation --------------------------------------------------------------------------------
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _paired_ratio(row: RowResult, base: RowResult | None) -> float | None:
+    """Median over repeats of row tokens/s ÷ base tokens/s in the same repeat."""
+    if base is None or base.error or row.error:
+        return None
+    ours, theirs = row.tokens_per_s(), base.tokens_per_s()
+    return _median([a / b for a, b in zip(ours, theirs, strict=False) if b > 0])
+
+
+def _matches(row: RowResult, reference: RowResult | None) -> float | None:
+    if reference is None or reference.error or row.error:
+        return None
+    pairs = [
+        (ours.token_ids, theirs.token_ids)
+        for run, ref_run in zip(row.samples, reference.samples, strict=False)
+        for ours, theirs in zip(run, ref_run, strict=True)
+    ]
+    return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator > 0 else None
+
+
+def summarize(results: dict[str, RowResult]) -> list[dict[str, Any]]:
+    """The report's rows: every figure named in the module docstring, null where not applicable."""
+    hf_target = results.get("hf_target")
+    specwire_greedy = results.get("specwire_greedy")
+    assisted = [r for r in results.values() if r.spec.group == "hf_assisted" and not r.error and r.samples]
+    best_assisted = max(assisted, key=lambda r: _median(r.tokens_per_s()) or 0.0, default=None)
+    rows = []
+    for result in results.values():
+        spec = result.spec
+        tps = result.tokens_per_s()
+        samples = [s for run in result.samples for s in run]
+        row: dict[str, Any] = {
+            "name": spec.name,
+            "group": spec.group,
+            "description": spec.description,
+            "error": result.error,
+            "tokens_per_s": _median(tps),
+            "tokens_per_s_min": min(tps) if tps else None,
+            "tokens_per_s_max": max(tps) if tps else None,
+            "tokens_per_s_per_repeat": tps,
+            "ratio_vs_hf_target": _paired_ratio(result, hf_target),
+            "ratio_vs_hf_assisted": _paired_ratio(result, best_assisted),
+            "best_hf_assisted_row": best_assisted.spec.name if best_assisted else None,
+            "matches_hf_target": _matches(result, hf_target),
+            "new_tokens_per_repeat": sum(len(s.token_ids) for s in samples) // max(1, len(result.samples)),
+        }
+        row |= _speculation_figures(result, samples, hf_target, specwire_greedy)
+        row |= _round_breakdown(samples)
+        rows.append(row)
+    return rows
+
+
+def _speculation_figures(
+    result: RowResult, samples: list[Sample], hf_target: RowResult | None, specwire_greedy: RowResult | None
+) -> dict[str, Any]:
+    empty = dict.fromkeys(
+        ["acceptance_rate", "alpha", "gamma", "cost_ratio_c", "predicted_speedup", "measured_speedup", "efficiency"]
+    )
+    tokens = sum(len(s.token_ids) for s in samples)
+    target_forwards = sum(s.target_forwards for s in samples)
+    figures: dict[str, Any] = {"tokens_per_target_forward": _ratio(tokens, target_forwards) if samples else None}
+    drafted = sum(s.drafted for s in samples)
+    if not samples or result.spec.name in ("hf_target", "specwire_greedy") or drafted == 0:
+        return figures | empty
+    rounds = sum(s.rounds for s in samples)
+    accepted = sum(s.accepted for s in samples)
+    alpha = alpha_estimate(accepted, sum(s.rejected for s in samples))
+    gamma = drafted / rounds
+    draft_ms_per_token = sum(s.draft_compute_ms for s in samples) / drafted
+    target_ms_per_forward = sum(s.target_compute_ms for s in samples) / target_forwards if target_forwards else 0.0
+    cost = draft_ms_per_token / target_ms_per_forward if target_ms_per_forward > 0 else None
+    predicted = predicted_speedup(alpha, gamma, cost) if cost is not None else None
+    baseline = specwire_greedy if result.spec.group == "specwire" else hf_target
+    measured = _paired_ratio(result, baseline)
+    return figures | {
+        "acceptance_rate": accepted / drafted,
+        "alpha": alpha,
+        "gamma": gamma,
+        "cost_ratio_c": cost,
+        "predicted_speedup": predicted,
+        "measured_speedup": measured,
+        "efficiency": measured / predicted if measured is not None and predicted else None,
+    }
+
+
+def _round_breakdown(samples: list[Sample]) -> dict[str, Any]:
+    """Per-round means from the orchestrator's statistics (specwire rows only)."""
+    keys = ["bytes_per_round", "overhead_ms_per_round", "round_ms", "draft_ms_per_round", "target_ms_per_round",
+            "network_ms_per_round", "queue_ms_per_round", "client_overhead_ms_per_request"]
+    if not samples or samples[0].server_wall_ms is None:
+        return dict.fromkeys(keys)
+    rounds = sum(s.rounds for s in samples)
+
+    def per_round(values: Sequence[float | int | None]) -> float | None:
+        return sum(v or 0 for v in values) / rounds if rounds else None
+
+    return {
+        "bytes_per_round": per_round([s.bytes_total for s in samples]),
+        "overhead_ms_per_round": per_round([s.orchestrator_ms for s in samples]),
+        "round_ms": per_round([s.server_wall_ms for s in samples]),
+        "draft_ms_per_round": per_round([s.draft_compute_ms for s in samples]),
+        "target_ms_per_round": per_round([s.target_compute_ms for s in samples]),
+        "network_ms_per_round": per_round([s.network_ms for s in samples]),
+        "queue_ms_per_round": per_round([s.queue_ms for s in samples]),
+        # Client ↔ orchestrator hop and the SDK: what the client saw beyond the server's wall time.
+        "client_overhead_ms_per_request": statistics.fmean(s.seconds * 1e3 - (s.server_wall_ms or 0.0) for s in samples),
+    }
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+    import grpc
+    import torch
+    import transformers
+
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),  # the services inherit it
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "grpcio": grpc.__version__,
+        "loadavg_start": list(os.getloadavg()),
+    }
+
+
+def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple[dict[str, Stack], dict[str, str]]:
+    """The model-drafter stack and the n-gram stack, started in parallel; errors by stack name."""
+    stack_configs: dict[str, StackConfig] = {}
+    common = StackConfig(target_model=config.target_model, device=config.device, dtype=config.dtype)
+    if needed & {"specwire_greedy", "specwire_speculative"}:
+        port = config.port or free_base_port()
+        stack_configs["model"] = replace(common, port=port, draft_model=config.draft_model, drafter="model")
+    if "specwire_speculative_ngram" in needed:
+        port = config.port + 10 if config.port else free_base_port()
+        # The n-gram drafter has no weights: --model names the tokenizer it drafts in.
+        stack_configs["ngram"] = replace(common, port=port, draft_model=config.target_model, drafter="ngram")
+    stacks: dict[str, Stack] = {}
+    errors: dict[str, str] = {}
+
+    def start(name: str) -> None:
+        stack = Stack(stack_configs[name])
+        stack_dir = log_dir / name
+        stack_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            stack.start(timeout=300, log_dir=stack_dir)
+            stacks[name] = stack
+        except (RuntimeError, TimeoutError) as error:
+            errors[name] = f"{error} (logs in {stack_dir})"
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(start, stack_configs))
+    return stacks, errors
+
+
+def run_bench(config: BenchConfig) -> dict[str, Any]:
+    """Run every row of `config.rows` and return the report (metadata + rows)."""
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from client.sdk import Client, GenerationError
+
+    unknown = set(config.rows) - set(ROW_NAMES)
+    if unknown:
+        raise ValueError(f"unknown row(s) {sorted(unknown)}; rows are {', '.join(ROW_NAMES)}")
+    began = time.perf_counter()
+    info = machine_info()
+    specs = [row for row in ROWS if row.name in config.rows]
+    results = {spec.name: RowResult(spec) for spec in specs}
+    tokenizer = AutoTokenizer.from_pretrained(config.target_model)
+    prompt_ids = [tokenizer(prompt).input_ids for prompt in config.prompts]
+    log_dir = Path(tempfile.mkdtemp(prefix="specwire-bench-"))
+
+    stacks: dict[str, Stack] = {}
+    clients: dict[str, Any] = {}
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            starting = pool.submit(_start_stacks, config, set(config.rows), log_dir)
+            hf = HfRunner(config.target_model, config.draft_model, config.device, config.dtype)
+            stacks, stack_errors = starting.result()
+        for name, stack in stacks.items():
+            clients[name] = Client(stack.config.address, timeout=600)
+
+        def call(row: str, ids: list[int], max_new_tokens: int) -> Sample:
+            if row.startswith("hf_"):
+                return hf.generate(row, ids, max_new_tokens, config.gamma)
+            stack = "ngram" if row == "specwire_speculative_ngram" else "model"
+            if stack in stack_errors:
+                raise RuntimeError(f"the {stack} stack did not start: {stack_errors[stack]}")
+            strategy = "greedy" if row == "specwire_greedy" else "speculative"
+            return specwire_sample(clients[stack], strategy, ids, max_new_tokens, config.gamma)
+
+        def attempt(result: RowResult, ids: list[int], max_new_tokens: int) -> Sample | None:
+            try:
+                return call(result.spec.name, ids, max_new_tokens)
+            except Exception as error:  # a row that fails is reported, the others still run
+                result.error = str(error) if isinstance(error, GenerationError) else f"{type(error).__name__}: {error}"
+                return None
+
+        forwards = hf.single_forward_ms()
+        order_log: list[list[str]] = []
+        total = len(specs) * (config.repeats * len(prompt_ids) + (1 if config.warmup else 0))
+        with tqdm(total=total, desc="bench", unit="gen", disable=not config.show_progress, file=sys.stderr) as bar:
+            if config.warmup:
+                for result in results.values():
+                    attempt(result, prompt_ids[0], min(16, config.max_new_tokens))
+                    bar.update()
+            rng = random.Random(config.seed)
+            for _ in range(config.repeats):
+                order = [spec.name for spec in specs]
+                rng.shuffle(order)
+                order_log.append(order)
+                for name in order:
+                    result = results[name]
+                    run: list[Sample] = []
+                    for ids in prompt_ids:
+                        sample = None if result.error else attempt(result, ids, config.max_new_tokens)
+                        if sample is not None:
+                            run.append(sample)
+                        bar.update()
+                    if not result.error:
+                        result.samples.append(run)
+        for result in results.values():
+            if result.error:
+                result.samples = []
+        metadata = {
+            "schema": SCHEMA,
+            "target_model": config.target_model,
+            "draft_model": config.draft_model,
+            "parameters": hf.parameters(),
+            "single_forward": forwards,
+            "prompts": len(config.prompts),
+            "prompt_tokens": [len(ids) for ids in prompt_ids],
+            "max_new_tokens": config.max_new_tokens,
+            "repeats": config.repeats,
+            "gamma": config.gamma,
+            "device": str(hf.device),
+            "dtype": str(next(hf.target.parameters()).dtype).removeprefix("torch."),
+            "seed": config.seed,
+            "row_order_per_repeat": order_log,
+            "timing": "wall time around each call, summed over the prompts of a repeat; medians and min/max over repeats",
+            "cost_ratio_c_method": (
+                "(draft compute per drafted token) / (target compute per target forward): server-reported "
+                "compute (GenerationStats) for specwire rows, forward hooks on the in-process models for "
+                "transformers rows; single_forward.cost_ratio_c_direct times one cached single-token forward "
+                "of each model in-process (median of 40)"
+            ),
+            "machine": info | {"loadavg_end": list(os.getloadavg())},
+            "log_dir": str(log_dir),
+        }
+    finally:
+        for client in clients.values():
+            client.close()
+        for stack in stacks.values():
+            stack.stop()
+    metadata["duration_s"] = time.perf_counter() - began
+    return {"metadata": metadata, "rows": summarize(results)}
+
+
+# -- output -------------------------------------------------------------------------------------
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    meta = report["metadata"]
+    header = (
+        "| row | tok/s median [min–max] | × HF target | × best HF assisted | acceptance | α | tok/target fwd "
+        "| c | predicted | efficiency | bytes/round | overhead ms/round | = HF target |"
+    )
+    columns = header.count("|") - 1
+    lines = [
+        f"{meta['prompts']} prompts × {meta['max_new_tokens']} new tokens × {meta['repeats']} repeats, γ = {meta['gamma']}, "
+        f"{meta['device']} {meta['dtype']}, {meta['machine']['cpu_count']} CPUs, "
+        f"target {meta['parameters']['target'] / 1e6:.1f}M / draft {meta['parameters']['draft'] / 1e6:.1f}M parameters; "
+        f"one cached forward: target {meta['single_forward']['target_forward_ms']:.2f} ms, "
+        f"draft {meta['single_forward']['draft_forward_ms']:.2f} ms (c = {meta['single_forward']['cost_ratio_c_direct']:.2f})",
+        "",
+        header,
+        "|" + "---|" * columns,
+    ]
+    for row in report["rows"]:
+        if row["error"]:
+            lines.append(f"| {row['name']} | error: {row['error'][:80]} |" + " |" * (columns - 2))
+            continue
+        spread = f"{_fmt(row['tokens_per_s'], 1)} [{_fmt(row['tokens_per_s_min'], 1)}–{_fmt(row['tokens_per_s_max'], 1)}]"
+        cells = [
+            row["name"],
+            spread,
+            _fmt(row["ratio_vs_hf_target"]),
+            _fmt(row["ratio_vs_hf_assisted"]),
+            _fmt(row["acceptance_rate"]),
+            _fmt(row["alpha"]),
+            _fmt(row["tokens_per_target_forward"]),
+            _fmt(row["cost_ratio_c"], 3),
+            _fmt(row["predicted_speedup"]),
+            _fmt(row["efficiency"]),
+            _fmt(row["bytes_per_round"], 0),
+            _fmt(row["overhead_ms_per_round"]),
+            _fmt(row["matches_hf_target"]),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    best = next((r["best_hf_assisted_row"] for r in report["rows"] if r["best_hf_assisted_row"]), None)
+    lines.append("")
+    lines.append(f"best HF assisted row: {best or '–'}; took {meta['duration_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def load_prompts(path: str | None) -> list[str]:
+    """A JSON list of strings, or one prompt per non-empty line with `\\n` escapes; None = defaults."""
+    if path is None:
+        return list(DEFAULT_PROMPTS)
+    text = Path(path).read_text()
+    if path.endswith(".json"):
+        prompts = json.loads(text)
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise SystemExit(f"--prompts {path}: expected a JSON list of strings")
+    else:
+        prompts = [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise SystemExit(f"--prompts {path}: no prompts")
+    return prompts
+
+
+def default_models(target: str | None, draft: str | None) -> tuple[str, str]:
+    from specwire.demo import demo_draft_dir, demo_target_dir
+
+    return target or str(demo_target_dir()), draft or str(demo_draft_dir())
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "bench", help="specwire vs transformers (target-only, assisted, prompt lookup), side by side"
+    )
+    parser.add_argument("--json", action="store_true", help="write the report as JSON (to --out, else stdout)")
+    parser.add_argument("--out", help="write the report here (JSON with --json, else Markdown)")
+    parser.add_argument("--prompts", help="a JSON list of prompts, or one prompt per line (\\n escapes)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gamma", type=int, default=4, help="γ of the speculative and constant-schedule rows")
+    parser.add_argument("--target-model", help="target model directory (default: the demo target)")
+    parser.add_argument("--draft-model", help="draft model directory (default: the demo draft)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--rows", help=f"comma-separated subset of: {', '.join(ROW_NAMES)}")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the row order shuffle")
+    parser.add_argument("--port", type=int, default=0, help="base port of the stacks (0 = free ports)")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up generation per row")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    target, draft = default_models(args.target_model, args.draft_model)
+    if args.max_new_tokens < 1 or args.repeats < 1 or args.gamma < 1:
+        raise SystemExit("--max-new-tokens, --repeats and --gamma must be ≥ 1")
+    rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else tuple(ROW_NAMES)
+    return BenchConfig(
+        target_model=target,
+        draft_model=draft,
+        prompts=load_prompts(args.prompts),
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        gamma=args.gamma,
+        device=args.device,
+        dtype=args.dtype,
+        rows=rows,
+        seed=args.seed,
+        warmup=not args.no_warmup,
+        port=args.port,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    report = run_bench(config_from_args(args))
+    table = markdown_table(report)
+    document = json.dumps(report, indent=2) if args.json else table
+    if args.out:
+        Path(args.out).write_text(document + "\n")
+        print(table)
+    else:
+        print(document)
+    for row in report["rows"]:
+        if row["error"]:
+            print(f"bench: row {row['name']} failed: {row['error']}", file=sys.stderr)
+    return 0

@@ -1,0 +1,200 @@
+"""The latency model's formulas, and `specwire bench` / `specwire experiment` run end to end on tiny
+models: every reported field present and consistent (not a speed test)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from client import bench, experiment
+from client.speedup import alpha_estimate, best_gamma, expected_tokens_per_round, predicted_speedup, time_per_token_ms
+
+REQUIRED_FIELDS = [
+    "name",
+    "tokens_per_s",
+    "ratio_vs_hf_target",
+    "ratio_vs_hf_assisted",
+    "acceptance_rate",
+    "tokens_per_target_forward",
+    "cost_ratio_c",
+    "predicted_speedup",
+    "efficiency",
+    "bytes_per_round",
+    "overhead_ms_per_round",
+]
+
+
+# -- formulas ---------------------------------------------------------------------------------
+
+
+def test_expected_tokens_per_round_matches_leviathan_eq1() -> None:
+    assert expected_tokens_per_round(0.0, 4) == 1.0
+    assert expected_tokens_per_round(1.0, 4) == 5.0
+    assert expected_tokens_per_round(0.8, 4) == pytest.approx((1 - 0.8**5) / 0.2)  # 3.3616
+    # The geometric series it sums: 1 + α + … + α^γ.
+    assert expected_tokens_per_round(0.6, 3) == pytest.approx(sum(0.6**k for k in range(4)))
+
+
+def test_predicted_speedup_divides_by_round_cost() -> None:
+    assert predicted_speedup(0.8, 4, 0.0) == pytest.approx(3.3616)
+    assert predicted_speedup(0.8, 4, 0.05) == pytest.approx(3.3616 / 1.2)
+    assert predicted_speedup(0.0, 4, 0.5) == pytest.approx(1 / 3)  # nothing accepted: pure overhead
+    with pytest.raises(ValueError):
+        predicted_speedup(1.5, 4, 0.1)
+
+
+def test_time_per_token_and_best_gamma() -> None:
+    # (γ t_d + t_v + RTT) / E[tokens per round]
+    assert time_per_token_ms(2, 0.5, 1.0, 10.0, 4.0) == pytest.approx((2 + 10 + 4) / 1.75)
+    assert best_gamma(0.0, 1.0, 10.0, 0.0) == 1  # nothing is ever accepted: the shortest round
+    # A longer round trip makes each round dearer, so it pays to draft more per round.
+    gammas = [best_gamma(0.8, 1.0, 10.0, rtt) for rtt in (0.0, 10.0, 50.0, 200.0)]
+    assert gammas == sorted(gammas) and gammas[-1] > gammas[0]
+    # Brute force agrees.
+    brute = min(range(1, 33), key=lambda g: time_per_token_ms(g, 0.7, 2.0, 10.0, 20.0))
+    assert best_gamma(0.7, 2.0, 10.0, 20.0) == brute
+
+
+def test_alpha_estimate_counts_compared_tokens_only() -> None:
+    # Rounds: accepted 4 of 4 (no rejection), accepted 1 then rejected: 5 successes, 1 failure.
+    assert alpha_estimate(5, 1) == pytest.approx(5 / 6)
+    assert alpha_estimate(0, 0) == 0.0
+
+
+def test_fit_compute_separates_per_token_and_per_round_cost() -> None:
+    # 3 ms per round plus 1.5 ms per drafted token, as a linear fit recovers it.
+    fitted = experiment.fit_compute([1, 2, 4], [4.5, 6.0, 9.0])
+    assert fitted is not None
+    slope, intercept = fitted
+    assert (slope, intercept) == (pytest.approx(1.5), pytest.approx(3.0))
+    assert experiment.fit_compute([4, 4], [9.0, 9.5]) is None  # one γ: nothing to fit
+    assert experiment.fit_compute([1, 2], [5.0, 4.0]) is None  # noise made it fall
+
+
+# -- bench ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bench_report(llama_target_dir: Path, llama_draft_dir: Path) -> dict[str, Any]:
+    config = bench.BenchConfig(
+        target_model=str(llama_target_dir),
+        draft_model=str(llama_draft_dir),
+        prompts=["def add(a, b):\n"],
+        max_new_tokens=8,
+        repeats=1,
+        device="cpu",
+        dtype="float32",
+        warmup=False,
+        show_progress=False,
+    )
+    return bench.run_bench(config)
+
+
+def test_bench_reports_every_row_and_field(bench_report: dict[str, Any]) -> None:
+    rows = {row["name"]: row for row in bench_report["rows"]}
+    assert list(rows) == bench.ROW_NAMES
+    for row in rows.values():
+        assert row["error"] is None, (row["name"], row["error"])
+        for name in REQUIRED_FIELDS:
+            assert name in row, (row["name"], name)
+        assert row["tokens_per_s"] > 0
+        assert row["new_tokens_per_repeat"] == 8
+    meta = bench_report["metadata"]
+    assert (meta["prompts"], meta["max_new_tokens"], meta["repeats"], meta["gamma"]) == (1, 8, 1, 4)
+    assert meta["machine"]["cpu_count"] and meta["parameters"]["target"] > meta["parameters"]["draft"] > 0
+    assert meta["single_forward"]["target_forward_ms"] > 0 and meta["single_forward"]["cost_ratio_c_direct"] > 0
+    json.dumps(bench_report)  # serialisable as is
+
+
+def test_bench_figures_are_consistent(bench_report: dict[str, Any]) -> None:
+    rows = {row["name"]: row for row in bench_report["rows"]}
+    assert rows["hf_target"]["ratio_vs_hf_target"] == pytest.approx(1.0)
+    best = rows["hf_target"]["best_hf_assisted_row"]
+    assert rows[best]["ratio_vs_hf_assisted"] == pytest.approx(1.0)
+    assert rows["hf_target"]["tokens_per_target_forward"] == pytest.approx(1.0)
+    # Greedy everywhere: every engine produces the target's own greedy tokens.
+    for row in rows.values():
+        assert row["matches_hf_target"] == 1.0, row["name"]
+    # Not a speculative row: no speculation figures; transformers rows have no wire.
+    for name in ("hf_target", "specwire_greedy"):
+        assert rows[name]["acceptance_rate"] is None and rows[name]["predicted_speedup"] is None
+    assert rows["hf_assisted_constant"]["bytes_per_round"] is None
+    spec = rows["specwire_speculative"]
+    assert 0.0 <= spec["acceptance_rate"] <= 1.0 and spec["cost_ratio_c"] > 0
+    assert spec["predicted_speedup"] == pytest.approx(
+        predicted_speedup(spec["alpha"], spec["gamma"], spec["cost_ratio_c"])
+    )
+    assert spec["efficiency"] == pytest.approx(spec["measured_speedup"] / spec["predicted_speedup"])
+    assert spec["bytes_per_round"] > 0 and spec["overhead_ms_per_round"] >= 0
+    assert rows["specwire_greedy"]["bytes_per_round"] > 0
+    for name in ("specwire_speculative", "specwire_speculative_ngram", "specwire_greedy"):
+        row = rows[name]
+        assert row["ratio_vs_hf_target"] == pytest.approx(row["tokens_per_s"] / rows["hf_target"]["tokens_per_s"])
+
+
+def test_bench_markdown_and_cli_output(bench_report: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    table = bench.markdown_table(bench_report)
+    assert all(f"| {name} |" in table for name in bench.ROW_NAMES)
+    monkeypatch.setattr(bench, "run_bench", lambda config: bench_report)
+    out = tmp_path / "bench.json"
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "--json", "--out", str(out), "--repeats", "1"])
+    assert bench.run(args) == 0
+    assert json.loads(out.read_text())["rows"][0]["name"] == "hf_target"
+    assert "| hf_target |" in capsys.readouterr().out
+
+
+def test_bench_reports_a_failing_row_instead_of_crashing() -> None:
+    results = {"hf_target": bench.RowResult(bench.ROWS[0]), "specwire_speculative": bench.RowResult(bench.ROWS[6])}
+    results["hf_target"].samples = [[bench.Sample(token_ids=[1, 2], seconds=0.1)]]
+    results["specwire_speculative"].error = "INVALID_ARGUMENT: strategy 'speculative' is not available"
+    rows = {row["name"]: row for row in bench.summarize(results)}
+    failed = rows["specwire_speculative"]
+    assert failed["error"] and failed["tokens_per_s"] is None and failed["ratio_vs_hf_target"] is None
+    assert rows["hf_target"]["tokens_per_s"] == pytest.approx(20.0)
+
+
+# -- experiment -------------------------------------------------------------------------------
+
+
+def test_experiment_writes_csv_and_plots_through_delay_proxies(
+    llama_target_dir: Path, llama_draft_dir: Path, tmp_path: Path
+) -> None:
+    rtt = 6.0
+    config = experiment.ExperimentConfig(
+        target_model=str(llama_target_dir),
+        draft_model=str(llama_draft_dir),
+        prompts=["def add(a, b):\n"],
+        out_dir=tmp_path / "exp",
+        rtts_ms=(rtt,),
+        gammas=(1, 2),
+        max_new_tokens=6,
+        device="cpu",
+        dtype="float32",
+        show_progress=False,
+    )
+    summary = experiment.run_experiment(config)
+    with (config.out_dir / "results.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["strategy"], r["gamma"]) for r in rows] == [("greedy", ""), ("speculative", "1"), ("speculative", "2")]
+    for row in rows:
+        assert float(row["tokens_per_s"]) > 0 and int(row["new_tokens"]) == 6
+        assert float(row["matches_greedy"]) == 1.0
+        # Greedy visits the target once a round, speculative both services: RTT each time.
+        trips = 1 if row["strategy"] == "greedy" else 2
+        assert float(row["network_ms_per_round"]) >= 0.8 * trips * rtt
+        if row["strategy"] == "speculative":
+            assert float(row["t_d_ms"]) > 0 and float(row["t_v_ms"]) > 0 and row["predicted_tokens_per_s"]
+    best = summary["best_gamma"][0]
+    assert best["gamma_best_measured"] in (1, 2) and 1 <= best["gamma_star_model"] <= config.max_gamma
+    for name in ("tokens_per_s_vs_rtt.png", "best_gamma.png", "round_breakdown.png", "best_gamma.csv", "summary.json"):
+        assert (config.out_dir / name).stat().st_size > 0
+    assert math.isfinite(summary["alpha_pooled"])
