@@ -33,6 +33,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_ITEM_SIZES = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in _DTYPES.items()}
 
 
 def tensor_to_pb(tensor: torch.Tensor) -> common_pb2.Tensor:
@@ -55,7 +56,7 @@ def tensor_from_pb(message: common_pb2.Tensor) -> torch.Tensor:
     count = 1
     for dim in shape:
         count *= dim
-    item = torch.empty((), dtype=dtype).element_size()
+    item = _ITEM_SIZES[message.dtype]
     if len(message.data) != count * item:
         raise ValueError(f"tensor data has {len(message.data)} bytes, shape {shape} needs {count * item}")
     if count == 0:
