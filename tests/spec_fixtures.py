@@ -10,14 +10,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from draft_service.ngram import NgramDrafter
 from specwire.demo import demo_draft_dir, demo_target_dir
 from tests.conftest import load_engine, make_stack
 from tests.harness import LoopThread, Stack, start_model_server, start_orchestrator
+from tests.tiny import save_llama
 
 SMALL_ALPHABET = "abcdefghijklmnopqr"  # with <eos> and <unk>: a 20-token vocabulary
 
@@ -37,25 +37,7 @@ def save_small_llama(
     path: Path, tokenizer: PreTrainedTokenizerFast, seed: int, layers: int, hidden: int, sharpen: float
 ) -> Path:
     """A random Llama over the 20-token vocabulary; `sharpen` scales the head (peakier p)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(sharpen)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_llama(path, tokenizer, seed, layers, hidden, heads=2, kv_heads=1, max_positions=128, sharpen=sharpen)
 
 
 @pytest.fixture(scope="session")

@@ -32,24 +32,35 @@ def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
 
 
-def save_llama(path: Path, tokenizer: PreTrainedTokenizerFast, seed: int, layers: int = 2, hidden: int = 64) -> Path:
+def save_llama(
+    path: Path,
+    tokenizer: PreTrainedTokenizerFast,
+    seed: int,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    max_positions: int = 512,
+    sharpen: float = 8.0,
+) -> Path:
+    """A random Llama; `sharpen` scales the head so the logits are peaky (random init gives
+    near-uniform logits, and sequences of near-ties)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=hidden * 2,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=0,
     )
     model = LlamaForCausalLM(config)
-    # Random init gives near-uniform logits; sharpen them so sequences are not all ties.
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
+        model.lm_head.weight.mul_(sharpen)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
