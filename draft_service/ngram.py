@@ -25,9 +25,9 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers import AutoConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig
 
-from specwire.engine import load_tokenizer, tokenizer_fingerprint
+from specwire.engine import eos_token_ids, load_tokenizer, tokenizer_fingerprint
 from specwire.errors import InvalidArgument
 from specwire.session import (
     ModelInfo,
@@ -60,15 +60,6 @@ def ngram_proposal(history: torch.Tensor, count: int, ngram_max: int, ngram_min:
             source = history[int(hits[-1]) + n :].tolist()  # what followed the latest match
             return [source[i % len(source)] for i in range(count)]
     return []
-
-
-def _eos_ids(config: object | None, tokenizer: PreTrainedTokenizerBase | None) -> list[int]:
-    candidate = getattr(config, "eos_token_id", None)
-    if candidate is None and tokenizer is not None:
-        candidate = tokenizer.eos_token_id
-    if candidate is None:
-        return []
-    return [int(candidate)] if isinstance(candidate, int) else [int(c) for c in candidate]
 
 
 class NgramDrafter:
@@ -109,7 +100,9 @@ class NgramDrafter:
             vocab_size = len(tokenizer)
         return cls(
             vocab_size=int(vocab_size),
-            eos_token_ids=_eos_ids(config, tokenizer),
+            eos_token_ids=eos_token_ids(
+                getattr(config, "eos_token_id", None), tokenizer.eos_token_id if tokenizer is not None else None
+            ),
             fingerprint=tokenizer_fingerprint(tokenizer),
             ngram_max=ngram_max,
             ngram_min=ngram_min,

@@ -77,12 +77,9 @@ def load_tokenizer(source: str) -> PreTrainedTokenizerBase | None:
         return None
 
 
-def _eos_ids(model: Any, tokenizer: PreTrainedTokenizerBase | None) -> list[int]:
-    for candidate in (
-        getattr(model.generation_config, "eos_token_id", None),
-        getattr(model.config, "eos_token_id", None),
-        tokenizer.eos_token_id if tokenizer is not None else None,
-    ):
+def eos_token_ids(*candidates: int | list[int] | None) -> list[int]:
+    """The first eos setting given (an id or a list of ids, as configs hold it), as a list."""
+    for candidate in candidates:
         if candidate is not None:
             return [int(candidate)] if isinstance(candidate, int) else [int(c) for c in candidate]
     return []
@@ -132,7 +129,11 @@ class CausalLM:
             tokenizer_source=tokenizer_source,
             device=device,
             vocab_size=int(model.get_output_embeddings().weight.shape[0]),
-            eos_token_ids=_eos_ids(model, tokenizer),
+            eos_token_ids=eos_token_ids(
+                getattr(model.generation_config, "eos_token_id", None),
+                getattr(model.config, "eos_token_id", None),
+                tokenizer.eos_token_id if tokenizer is not None else None,
+            ),
             max_context=_max_context(model.config),
             accepts_logits_to_keep="logits_to_keep" in inspect.signature(model.forward).parameters,
         )
