@@ -28,7 +28,7 @@ import torch
 from transformers import AutoConfig
 
 from specwire.engine import eos_token_ids, load_tokenizer, tokenizer_fingerprint
-from specwire.errors import InvalidArgument
+from specwire.errors import InvalidArgument, check_token_ids
 from specwire.session import (
     ModelInfo,
     OpenRequest,
@@ -141,7 +141,7 @@ class NgramSession:
         if request.num_branches != 1:
             raise InvalidArgument("num_branches", f"the n-gram drafter serves one branch, got {request.num_branches}")
         self._check_scoring(request.scoring)
-        self._check_ids(request.prompt_ids, "prompt_ids")
+        check_token_ids(request.prompt_ids, self.drafter.vocab_size, "prompt_ids")
         self.tokens = list(request.prompt_ids)
         return StepResult(num_tokens=len(self.tokens))
 
@@ -158,7 +158,7 @@ class NgramSession:
             if not 1 <= request.keep_tokens <= len(self.tokens):
                 raise InvalidArgument("keep_tokens", f"must be in [1, {len(self.tokens)}], got {request.keep_tokens}")
             del self.tokens[request.keep_tokens :]
-        self._check_ids(request.append_ids, "append_ids")
+        check_token_ids(request.append_ids, self.drafter.vocab_size, "append_ids")
         self.tokens += request.append_ids
         if len(self.tokens) + request.propose > MAX_CONTEXT:
             raise InvalidArgument("propose", f"sequence would exceed {MAX_CONTEXT} tokens")
@@ -182,7 +182,3 @@ class NgramSession:
                 "scoring.kind", f"the n-gram drafter has no distributions, cannot score {scoring.kind.name}"
             )
 
-    def _check_ids(self, ids: list[int], field: str) -> None:
-        bad = [i for i in ids if not 0 <= i < self.drafter.vocab_size]
-        if bad:
-            raise InvalidArgument(field, f"token id {bad[0]} is outside the vocabulary [0, {self.drafter.vocab_size})")

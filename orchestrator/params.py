@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from protos import orchestrator_pb2
-from specwire.errors import InvalidArgument
+from specwire.errors import InvalidArgument, check_token_ids
 from specwire.processing import ProcessingConfig
 
 STRATEGIES = ("greedy", "sample", "beam", "speculative", "contrastive")
@@ -68,9 +68,7 @@ def check_prompt(request: orchestrator_pb2.GenerateRequest, vocab_size: int) -> 
         raise InvalidArgument("prompt", "give either prompt or prompt_ids, not both")
     if not has_text and not has_ids:
         raise InvalidArgument("prompt", "must not be empty (give prompt or prompt_ids)")
-    bad = [i for i in request.prompt_ids if not 0 <= i < vocab_size]
-    if bad:
-        raise InvalidArgument("prompt_ids", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    check_token_ids(list(request.prompt_ids), vocab_size, "prompt_ids")
 
 
 def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Limits) -> GenerationParams:

@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 
-from specwire.errors import InvalidArgument
+from specwire.errors import InvalidArgument, check_token_ids
 from specwire.processing import (
     ProcessingConfig,
     apply_penalties,
@@ -219,7 +219,7 @@ class EngineSession:
             raise InvalidArgument("prompt_ids", "must not be empty")
         if not 1 <= request.num_branches <= MAX_BRANCHES:
             raise InvalidArgument("num_branches", f"must be in [1, {MAX_BRANCHES}], got {request.num_branches}")
-        self._check_ids(request.prompt_ids, "prompt_ids")
+        check_token_ids(request.prompt_ids, self.lm.vocab_size, "prompt_ids")
         self._check_length(len(request.prompt_ids), "prompt_ids")
         self.processing = request.processing
         prompt = torch.tensor(request.prompt_ids, dtype=torch.long).unsqueeze(0)
@@ -253,11 +253,6 @@ class EngineSession:
 
     # -- state changes -------------------------------------------------------------------
 
-    def _check_ids(self, ids: list[int], field: str) -> None:
-        bad = [i for i in ids if not 0 <= i < self.lm.vocab_size]
-        if bad:
-            raise InvalidArgument(field, f"token id {bad[0]} is outside the vocabulary [0, {self.lm.vocab_size})")
-
     def _check_length(self, length: int, field: str) -> None:
         if length > self.lm.max_context:
             raise InvalidArgument(field, f"sequence of {length} tokens exceeds the model's context of {self.lm.max_context}")
@@ -280,7 +275,7 @@ class EngineSession:
     def _append(self, ids: list[int]) -> None:
         if len(ids) % self.num_branches:
             raise InvalidArgument("append_ids", f"{len(ids)} ids do not split evenly over {self.num_branches} branches")
-        self._check_ids(ids, "append_ids")
+        check_token_ids(ids, self.lm.vocab_size, "append_ids")
         per_branch = len(ids) // self.num_branches
         self._check_length(self.length + per_branch, "append_ids")
         new = torch.tensor(ids, dtype=torch.long).view(self.num_branches, per_branch)
@@ -353,7 +348,7 @@ class EngineSession:
             raise InvalidArgument("scoring.score_ids", f"applies to LOGITS and LOGPROBS only, not {scoring.kind.name}")
         if scoring.top_n:
             raise InvalidArgument("scoring.score_ids", "give score_ids or top_n, not both")
-        self._check_ids(list(scoring.score_ids), "scoring.score_ids")
+        check_token_ids(list(scoring.score_ids), self.lm.vocab_size, "scoring.score_ids")
         return torch.tensor(scoring.score_ids, dtype=torch.long)
 
     def _process(self, scoring: Scoring, logits: torch.Tensor, history: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,13 @@ class InvalidArgument(StatusError):
         self.field = field
 
 
+def check_token_ids(ids: list[int], vocab_size: int, field: str) -> None:
+    """INVALID_ARGUMENT naming `field` unless every id is in [0, vocab_size)."""
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise InvalidArgument(field, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
 class ResourceExhausted(StatusError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
