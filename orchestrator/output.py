@@ -26,6 +26,9 @@ class Output:
     finish_reason: str | None = None
     _stop_text: str | None = None
     _emitted_chars: int = 0
+    # The texts of the last two prefixes decoded, as (token count, text). `token_ids` only
+    # grows, or is cut once at a stop, so a prefix's text never changes.
+    _decoded: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -34,9 +37,17 @@ class Output:
     def decode(self, ids: list[int]) -> str:
         return cast(str, self.tokenizer.decode(ids, skip_special_tokens=True))
 
+    def _prefix_text(self, count: int) -> str:
+        """The text of the first `count` tokens, decoded once per step rather than per use."""
+        cached = [text for decoded_count, text in self._decoded if decoded_count == count]
+        text = cached[0] if cached else self.decode(self.token_ids[:count])
+        # Most recently used first: the whole text of one step is the prefix of the next.
+        self._decoded = [(count, text), *[entry for entry in self._decoded if entry[0] != count][:1]]
+        return text
+
     @property
     def text(self) -> str:
-        return self._stop_text if self._stop_text is not None else self.decode(self.token_ids)
+        return self._stop_text if self._stop_text is not None else self._prefix_text(len(self.token_ids))
 
     def extend(self, ids: list[int]) -> list[int]:
         """Take the decided `ids`; return those kept (a prefix of them)."""
@@ -54,9 +65,9 @@ class Output:
         return self.token_ids[start:]
 
     def _check_stop(self, start: int) -> None:
-        text = self.decode(self.token_ids)
+        text = self._prefix_text(len(self.token_ids))
         # Only a match that ends in the new tokens' text can be new.
-        search_from = max(0, len(self.decode(self.token_ids[:start])) - max(len(s) for s in self.stop))
+        search_from = max(0, len(self._prefix_text(start)) - max(len(s) for s in self.stop))
         hits = [i for i in (text.find(s, search_from) for s in self.stop) if i >= 0]
         if not hits:
             return
