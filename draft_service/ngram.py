@@ -22,8 +22,6 @@ only `config.json` and the tokenizer files — never weights.
 
 from __future__ import annotations
 
-import time
-
 import torch
 from transformers import AutoConfig
 
@@ -34,7 +32,6 @@ from specwire.session import (
     OpenRequest,
     ScoreKind,
     Scoring,
-    ServerTiming,
     StepRequest,
     StepResult,
 )
@@ -146,7 +143,6 @@ class NgramSession:
         return StepResult(num_tokens=len(self.tokens))
 
     def step(self, request: StepRequest) -> StepResult:
-        started = time.perf_counter()
         if request.tree_parents:
             raise InvalidArgument("tree_parents", "the n-gram drafter does not verify trees")
         if request.branch_order not in ([], [0]):
@@ -168,10 +164,7 @@ class NgramSession:
             drafted = ngram_proposal(history, request.propose, self.drafter.ngram_max, self.drafter.ngram_min)
             self.tokens += drafted
             proposed = torch.tensor([drafted], dtype=torch.int32).reshape(1, len(drafted))  # [1, n]
-        elapsed_us = int((time.perf_counter() - started) * 1e6)
-        return StepResult(
-            proposed_ids=proposed, num_tokens=len(self.tokens), timing=ServerTiming(compute_us=elapsed_us)
-        )
+        return StepResult(proposed_ids=proposed, num_tokens=len(self.tokens))
 
     def close(self) -> None:
         self.tokens = []

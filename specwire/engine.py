@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import time
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -394,7 +393,6 @@ class EngineSession:
         return proposed, encode_probs(probs, self.processing)
 
     def _finish(self, scoring: Scoring, propose: int, greedy: bool, seed: int, min_confidence: float) -> StepResult:
-        started = time.perf_counter()
         calls_before = self.forward_calls
         scores = self._score(scoring)
         proposed, proposal_scores = None, None
@@ -402,12 +400,12 @@ class EngineSession:
             self._check_length(self.length + propose, "propose")
             proposed, proposal_scores = self._propose(propose, greedy, seed, min_confidence)
         if self.lm.device.type == "cuda":
+            # Whoever times this call (the servicer, a LocalSession) must see the GPU work in it.
             torch.cuda.synchronize(self.lm.device)
-        elapsed_us = int((time.perf_counter() - started) * 1e6)
         return StepResult(
             scores=scores,
             proposed_ids=proposed,
             proposal_scores=proposal_scores,
             num_tokens=self.length,
-            timing=ServerTiming(compute_us=elapsed_us, forward_calls=self.forward_calls - calls_before),
+            timing=ServerTiming(forward_calls=self.forward_calls - calls_before),
         )
