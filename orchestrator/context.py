@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from opentelemetry.trace import Span
@@ -43,45 +43,14 @@ class Round:
 
 
 @dataclass(frozen=True)
-class ServiceTotals:
-    """A snapshot of one service's `CallStats`; the difference of two is a round's share."""
-
-    calls: int = 0
-    client_ms: float = 0.0
-    compute_ms: float = 0.0
-    queue_ms: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-
-    @classmethod
-    def of(cls, stats: CallStats) -> ServiceTotals:
-        return cls(stats.calls, stats.client_ms, stats.compute_ms, stats.queue_ms, stats.bytes_sent, stats.bytes_received)
-
-    def since(self, before: ServiceTotals) -> ServiceTotals:
-        return ServiceTotals(
-            self.calls - before.calls,
-            self.client_ms - before.client_ms,
-            self.compute_ms - before.compute_ms,
-            self.queue_ms - before.queue_ms,
-            self.bytes_sent - before.bytes_sent,
-            self.bytes_received - before.bytes_received,
-        )
-
-    @property
-    def network_ms(self) -> float:
-        """Client-measured time the server did not account for: network plus serialization."""
-        return max(0.0, self.client_ms - self.compute_ms - self.queue_ms)
-
-
-@dataclass(frozen=True)
 class RoundBreakdown:
     """Where one round's wall time went. Without parallel calls the parts add up to `wall_ms`:
     draft compute + target compute + queue + network + orchestrator."""
 
     wall_ms: float
     waiting_ms: float  # at least one service call outstanding
-    target: ServiceTotals
-    draft: ServiceTotals
+    target: CallStats  # each service's share of the round: `CallStats.since`
+    draft: CallStats
 
     @property
     def orchestrator_ms(self) -> float:
@@ -164,7 +133,7 @@ class DecodeContext:
             yield current
             return
         strategy = self.params.strategy
-        target_before, draft_before = ServiceTotals.of(self.stats.target), ServiceTotals.of(self.stats.draft)
+        target_before, draft_before = replace(self.stats.target), replace(self.stats.draft)
         clock = self.stats.target.clock
         waiting_before = clock.elapsed_s()
         span = None
@@ -186,8 +155,8 @@ class DecodeContext:
             breakdown = RoundBreakdown(
                 wall_ms=(time.perf_counter() - started) * 1e3,
                 waiting_ms=(clock.elapsed_s() - waiting_before) * 1e3,
-                target=ServiceTotals.of(self.stats.target).since(target_before),
-                draft=ServiceTotals.of(self.stats.draft).since(draft_before),
+                target=self.stats.target.since(target_before),
+                draft=self.stats.draft.since(draft_before),
             )
             if span is not None:
                 self._round_span, self._carrier = None, None

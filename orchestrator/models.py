@@ -8,7 +8,7 @@ import asyncio
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import grpc
@@ -67,6 +67,11 @@ class CallStats:
     def network_ms(self) -> float:
         """Client-measured time the server did not account for: network plus serialization."""
         return max(0.0, self.client_ms - self.compute_ms - self.queue_ms)
+
+    def since(self, before: CallStats) -> CallStats:
+        """The share since `before`, an earlier copy (`dataclasses.replace`): a round's part."""
+        counted = (f.name for f in fields(self) if f.name != "clock")
+        return CallStats(**{name: getattr(self, name) - getattr(before, name) for name in counted})
 
     def record(self, elapsed_s: float, result: StepResult, sent: int, received: int) -> None:
         self.calls += 1
