@@ -123,11 +123,29 @@ def _candidates(scores: Scores, num_beams: int) -> tuple[torch.Tensor, torch.Ten
     return ids, dense
 
 
+def start_beams(ctx: DecodeContext) -> tuple[BeamState, frozenset[int]]:
+    """The request's beam state, and the eos ids that end a hypothesis (none with ignore_eos)."""
+    params = ctx.params
+    eos_ids: frozenset[int] = frozenset() if params.ignore_eos else ctx.eos_token_ids
+    state = BeamState.start(
+        params.num_beams, len(eos_ids), params.max_new_tokens, params.length_penalty, params.early_stopping
+    )
+    return state, eos_ids
+
+
+def finish_beams(ctx: DecodeContext, state: BeamState) -> list[int]:
+    """Leave the best `num_return_sequences` hypotheses in `ctx.sequences`; the best one's tokens."""
+    ranked = [
+        BeamSequence(tokens, float(score))
+        for tokens, score in zip(state.finished_tokens, state.finished_scores.tolist(), strict=True)
+    ]
+    ctx.sequences = ranked[: ctx.params.num_return_sequences]
+    return ctx.sequences[0].token_ids
+
+
 async def beam_search(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
     params = ctx.params
-    n_eos = 0 if params.ignore_eos else len(ctx.eos_token_ids)
-    eos_ids = frozenset() if params.ignore_eos else ctx.eos_token_ids
-    state = BeamState.start(params.num_beams, n_eos, params.max_new_tokens, params.length_penalty, params.early_stopping)
+    state, eos_ids = start_beams(ctx)
     scoring = Scoring(ScoreKind.LOGPROBS, top_n=state.beams_to_keep)
     target = ctx.target_session()
     with ctx.round(num_beams=params.num_beams):
@@ -142,9 +160,4 @@ async def beam_search(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
             result = await target.step(request)
             assert result.scores is not None
             beam_step(state, *_candidates(result.scores, params.num_beams), eos_ids)
-    ranked = [
-        BeamSequence(tokens, float(score))
-        for tokens, score in zip(state.finished_tokens, state.finished_scores.tolist(), strict=True)
-    ]
-    ctx.sequences = ranked[: params.num_return_sequences]
-    yield ctx.sequences[0].token_ids
+    yield finish_beams(ctx, state)

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from orchestrator.beam import BeamState, beam_step
-from orchestrator.context import BeamSequence, DecodeContext
+from orchestrator.beam import beam_step, finish_beams, start_beams
+from orchestrator.context import DecodeContext
 from orchestrator.params import GenerationParams
 from specwire.errors import FailedPrecondition, InvalidArgument
 from specwire.processing import NEG_INF, ProcessingConfig, apply_warpers
@@ -289,9 +289,7 @@ async def contrastive(ctx: DecodeContext, plan: WirePlan = DEFAULT_PLAN) -> Asyn
 async def _beam(ctx: DecodeContext, plan: WirePlan) -> AsyncGenerator[list[int], None]:
     """Contrastive beam search: `beam_step` over per-beam top-K contrastive log-scores."""
     params = ctx.params
-    n_eos = 0 if params.ignore_eos else len(ctx.eos_token_ids)
-    eos_ids: frozenset[int] = frozenset() if params.ignore_eos else ctx.eos_token_ids
-    state = BeamState.start(params.num_beams, n_eos, params.max_new_tokens, params.length_penalty, params.early_stopping)
+    state, eos_ids = start_beams(ctx)
     pair = ContrastivePair(ctx, plan, rows=params.num_beams, min_top_n=state.beams_to_keep)
     while not state.done:
         with ctx.round(form=params.cd_form, num_beams=params.num_beams) as r:
@@ -307,9 +305,4 @@ async def _beam(ctx: DecodeContext, plan: WirePlan) -> AsyncGenerator[list[int],
             _record(ctx, valid_set_size, int(candidates[beam, rank]) != expert_choice)
             beam_step(state, candidates, top_scores, eos_ids)
             r.set(valid_set_size=valid_set_size, dense_fallbacks=pair.dense_fallbacks)
-    ranked = [
-        BeamSequence(tokens, float(score))
-        for tokens, score in zip(state.finished_tokens, state.finished_scores.tolist(), strict=True)
-    ]
-    ctx.sequences = ranked[: params.num_return_sequences]
-    yield ctx.sequences[0].token_ids
+    yield finish_beams(ctx, state)
