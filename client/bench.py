@@ -45,7 +45,6 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -56,7 +55,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from client.launcher import Stack, StackConfig
+from client.launcher import Stack, StackConfig, free_base_port
 from client.speedup import alpha_estimate, predicted_speedup
 
 SCHEMA = "specwire.bench/1"
@@ -305,22 +304,6 @@ class HfRunner:
 
 
 # -- specwire over gRPC -------------------------------------------------------------------------
-
-
-def free_base_port(count: int = 5, attempts: int = 200) -> int:
-    """A port p with p … p+count−1 all free on loopback (a launcher stack takes consecutive ports)."""
-    rng = random.Random()
-    for _ in range(attempts):
-        base = rng.randrange(20000, 60000 - count)
-        try:
-            with contextlib.ExitStack() as sockets:
-                for offset in range(count):
-                    sock = sockets.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-                    sock.bind(("127.0.0.1", base + offset))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError(f"no {count} consecutive free ports found")
 
 
 def specwire_sample(client: Any, strategy: str, prompt_ids: list[int], max_new_tokens: int, gamma: int) -> Sample:

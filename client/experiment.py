@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from client.bench import Sample, default_models, free_base_port, load_prompts, specwire_sample
-from client.launcher import Stack, StackConfig
+from client.bench import Sample, default_models, load_prompts, specwire_sample
+from client.launcher import Stack, StackConfig, free_base_port
 from client.speedup import alpha_estimate, best_gamma, time_per_token_ms
 
 STRATEGIES = ("speculative", "greedy")

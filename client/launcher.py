@@ -6,7 +6,10 @@ all three, and stops them all (SIGTERM, then SIGKILL after a grace period) on ex
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
+import socket
 import subprocess
 import sys
 import threading
@@ -63,6 +66,22 @@ def _proxy_command(listen: str, upstream: str, c: StackConfig) -> list[str]:
         sys.executable, "-m", "specwire.delay_proxy", "--listen", listen, "--upstream", upstream,
         "--delay-ms", str(c.rtt_ms / 2), "--jitter-ms", str(c.jitter_ms), "--bandwidth-mbps", str(c.bandwidth_mbps),
     ]
+
+
+def free_base_port(count: int = 5, attempts: int = 200) -> int:
+    """A port p with p … p+count−1 all free on loopback (a launcher stack takes consecutive ports)."""
+    rng = random.Random()
+    for _ in range(attempts):
+        base = rng.randrange(20000, 60000 - count)
+        try:
+            with contextlib.ExitStack() as sockets:
+                for offset in range(count):
+                    sock = sockets.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    sock.bind(("127.0.0.1", base + offset))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports found")
 
 
 def _serve_command(role: str, *args: str) -> list[str]:

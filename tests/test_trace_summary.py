@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from client import Client, cli
+from client.launcher import free_base_port
 from orchestrator.generation import STRATEGIES
 from specwire.trace_summary import PARTS, format_summary, summarize
 from tests.harness import LoopThread
 from tests.observed import SERVICES, start_observed_stack
-from tests.test_up import free_port_block
 
 ROOT = Path(__file__).resolve().parent.parent
 STRATEGY = "speculative" if "speculative" in STRATEGIES else "greedy"
@@ -97,7 +97,7 @@ def test_summarize_command_prints_json_and_plots(
 def test_up_with_trace_dir_writes_one_trace_across_three_processes(
     llama_target_dir: Path, llama_draft_dir: Path, tmp_path: Path
 ) -> None:
-    port = free_port_block()
+    port = free_base_port()
     trace_dir = tmp_path / "traces"
     process = subprocess.Popen(
         [sys.executable, "-m", "client", "up", "--target-model", str(llama_target_dir),

@@ -4,41 +4,18 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from client import Client
+from client.launcher import free_base_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port_block(size: int = 3) -> int:
-    """A port p with p..p+size-1 free right now."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + size >= 65535:
-            continue
-        try:
-            sockets = []
-            for offset in range(size):
-                s = socket.socket()
-                s.bind(("127.0.0.1", base + offset))
-                sockets.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError("no free port block")
-
-
 def test_up_serves_and_stops_on_sigterm(llama_target_dir: Path, llama_draft_dir: Path) -> None:
-    port = free_port_block()
+    port = free_base_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "client", "up", "--target-model", str(llama_target_dir),
          "--draft-model", str(llama_draft_dir), "--port", str(port), "--device", "cpu"],
