@@ -22,6 +22,14 @@ from specwire.session import Backend, BackendSession, ModelInfo, ModelSession, O
 
 
 @dataclass
+class Wait:
+    """One call's wait, timed by the same clock readings as the `WaitClock` union it joins."""
+
+    started: float
+    elapsed_s: float = 0.0
+
+
+@dataclass
 class WaitClock:
     """Time during which at least one service call was outstanding: the union of the calls'
     intervals. Calls made in parallel (contrastive decoding asks both services at once) overlap,
@@ -32,16 +40,22 @@ class WaitClock:
     total_s: float = 0.0
 
     @contextmanager
-    def waiting(self) -> Iterator[None]:
+    def waiting(self) -> Iterator[Wait]:
+        """Time one call. Its `elapsed_s` and the union share their clock readings, so a round's
+        parts add up to its wall time exactly, however the threads are scheduled."""
+        now = time.perf_counter()
         if self.outstanding == 0:
-            self.since = time.perf_counter()
+            self.since = now
         self.outstanding += 1
+        wait = Wait(started=now)
         try:
-            yield
+            yield wait
         finally:
+            now = time.perf_counter()
+            wait.elapsed_s = now - wait.started
             self.outstanding -= 1
             if self.outstanding == 0:
-                self.total_s += time.perf_counter() - self.since
+                self.total_s += now - self.since
 
     def elapsed_s(self) -> float:
         """Waiting time so far, counting a wait still under way."""
@@ -144,14 +158,13 @@ class RemoteSession:
                 trace_field.traceparent = headers.get("traceparent", "")
                 trace_field.tracestate = headers.get("tracestate", "")
         try:
-            with self._stats.clock.waiting():
-                started = time.perf_counter()
+            with self._stats.clock.waiting() as wait:
                 try:
                     await self._call.write(message)
                     reply = await self._call.read()
                 except grpc.aio.AioRpcError as error:
                     raise _service_error(self._label, error) from error
-                elapsed_s = time.perf_counter() - started
+            elapsed_s = wait.elapsed_s
             if reply is grpc.aio.EOF:
                 code = await self._call.code()
                 details = await self._call.details()
@@ -237,10 +250,9 @@ class LocalSession:
         return self._timed(self._session.step, request)
 
     def _timed(self, handler: object, request: object) -> StepResult:
-        with self._stats.clock.waiting():
-            started = time.perf_counter()
+        with self._stats.clock.waiting() as wait:
             result: StepResult = handler(request)  # type: ignore[operator]
-            elapsed_s = time.perf_counter() - started
+        elapsed_s = wait.elapsed_s
         # Timed here, at the boundary, as the servicer times a remote call: no network in between.
         result.timing.compute_us = int(elapsed_s * 1e6)
         self._stats.record(elapsed_s, result, 0, 0)
