@@ -23,10 +23,10 @@ test: install
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/mypy specwire orchestrator client draft_service target_service
+	$(BIN)/mypy specwire orchestrator client draft_service target_service bench
 
 protos: install
-	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/*.proto
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos --grpc_python_out=protos protos/specwire/v1/*.proto
 
 bench: install
 	$(BIN)/specwire bench --json

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from client import bench, experiment
-from client.sdk import Client, GenerateResult, GenerationError, stats_as_dict
+from specwire.bench import bench, experiment
+from specwire.client.sdk import Client, GenerateResult, GenerationError, stats_as_dict
 
 # Generation flags: (flag, type, help). The SDK keyword is the flag with underscores.
 GENERATION_FLAGS: list[tuple[str, Any, str]] = [
@@ -212,7 +212,7 @@ def _stack_telemetry_args(args: argparse.Namespace, service: str, port_offset: i
 
 
 def _stack_config(args: argparse.Namespace) -> Any:
-    from client.launcher import StackConfig
+    from specwire.client.launcher import StackConfig
 
     return StackConfig(
         port=args.port,
@@ -231,7 +231,7 @@ def _stack_config(args: argparse.Namespace) -> Any:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from client.launcher import Stack
+    from specwire.client.launcher import Stack
 
     stack = Stack(_stack_config(args))
     stopping = {"signal": False}
@@ -267,7 +267,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from client.launcher import Stack
+    from specwire.client.launcher import Stack
 
     with Stack(_stack_config(args)) as stack:
         print("starting draft, target and orchestrator on the demo pair…", flush=True)
@@ -298,7 +298,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specwire.config import ModelServiceConfig, OrchestratorConfig
 
     if args.role == "orchestrator":
-        from orchestrator.server import main as serve_orchestrator
+        from specwire.orchestrator.server import main as serve_orchestrator
 
         serve_orchestrator(
             OrchestratorConfig(
@@ -327,18 +327,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         telemetry=_telemetry_config(args),
     )
     if args.role == "draft":
-        from draft_service.server import main as serve_draft
+        from specwire.draft_service.server import main as serve_draft
 
         serve_draft(config)
     else:
-        from target_service.server import main as serve_target
+        from specwire.target_service.server import main as serve_target
 
         serve_target(config)
     return 0
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from specwire.trace_summary import format_summary, plot_rounds, summarize
+    from specwire.bench.trace_summary import format_summary, plot_rounds, summarize
 
     try:
         summary = summarize(args.paths)

@@ -85,7 +85,7 @@ def free_base_port(count: int = 5, attempts: int = 200) -> int:
 
 
 def _serve_command(role: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "client", "serve", role, *args]
+    return [sys.executable, "-m", "specwire", "serve", role, *args]
 
 
 @dataclass

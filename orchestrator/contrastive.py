@@ -26,7 +26,7 @@ costs about the slower call. The expert's plausible set is usually small: the ex
 `expert_top_n` logits per row, sparse; when a row's n-th logit still clears the threshold the set
 may reach further, so the step re-scores that position densely and `expert_top_n` doubles. The
 amateur sends dense logits in the same round ("same", the default: faster, e.g. 36 vs 56 ms a
-step with a 32k vocabulary on loopback, `python -m orchestrator.contrastive_bench`; float32, since
+step with a 32k vocabulary on loopback, `python -m specwire.bench.contrastive_bench`; float32, since
 float16 saved no measurable time and would move near-ties), or — "second" — answers after the expert for the
 plausible ids only (`Scoring.score_ids`). Li et al.'s beam scores need every row's normaliser
 log Σ exp s, so Li + beams fetches both distributions dense.
@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
-from orchestrator.beam import beam_step, finish_beams, start_beams
-from orchestrator.context import DecodeContext
-from orchestrator.params import GenerationParams
+from specwire.orchestrator.beam import beam_step, finish_beams, start_beams
+from specwire.orchestrator.context import DecodeContext
+from specwire.orchestrator.params import GenerationParams
 from specwire.errors import FailedPrecondition, InvalidArgument
 from specwire.processing import NEG_INF, ProcessingConfig, apply_warpers
 from specwire.session import ModelSession, OpenRequest, ScoreKind, Scores, Scoring, StepRequest

@@ -19,17 +19,17 @@ import torch
 from opentelemetry.trace import Span, SpanKind
 from transformers import PreTrainedTokenizerBase
 
-from orchestrator import params as request_params
-from orchestrator.beam import beam_search
-from orchestrator.context import BeamSequence, DecodeContext
-from orchestrator.contrastive import contrastive
-from orchestrator.models import ModelHandle
-from orchestrator.output import Output
-from orchestrator.params import GenerationParams, Limits
-from orchestrator.speculative import speculative
-from orchestrator.standard import standard
-from orchestrator.stats import RunStats
-from protos import orchestrator_pb2
+from specwire.orchestrator import params as request_params
+from specwire.orchestrator.beam import beam_search
+from specwire.orchestrator.context import BeamSequence, DecodeContext
+from specwire.orchestrator.contrastive import contrastive
+from specwire.orchestrator.models import ModelHandle
+from specwire.orchestrator.output import Output
+from specwire.orchestrator.params import GenerationParams, Limits
+from specwire.orchestrator.speculative import speculative
+from specwire.orchestrator.standard import standard
+from specwire.orchestrator.stats import RunStats
+from specwire.v1 import orchestrator_pb2
 from specwire import telemetry
 from specwire.engine import tokenizer_fingerprint
 from specwire.errors import FailedPrecondition, InvalidArgument, StatusError

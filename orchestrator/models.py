@@ -14,7 +14,7 @@ from typing import Protocol
 import grpc
 from opentelemetry.trace import SpanKind
 
-from protos import model_pb2, model_pb2_grpc
+from specwire.v1 import model_pb2, model_pb2_grpc
 from specwire import telemetry, wire
 from specwire.errors import StatusError, Unavailable
 from specwire.serving import CHANNEL_OPTIONS

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from protos import orchestrator_pb2
+from specwire.v1 import orchestrator_pb2
 from specwire.errors import InvalidArgument, check_token_ids
 from specwire.processing import ProcessingConfig
 

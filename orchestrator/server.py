@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 import grpc
 from opentelemetry.trace import SpanKind
 
-from orchestrator.context import BeamSequence
-from orchestrator.generation import STRATEGIES, Decoder, Delta, Result
-from orchestrator.models import RemoteModel
-from protos import orchestrator_pb2, orchestrator_pb2_grpc
+from specwire.orchestrator.context import BeamSequence
+from specwire.orchestrator.generation import STRATEGIES, Decoder, Delta, Result
+from specwire.orchestrator.models import RemoteModel
+from specwire.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from specwire import serving, telemetry
 from specwire.config import OrchestratorConfig
 from specwire.engine import load_tokenizer

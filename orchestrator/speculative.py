@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from orchestrator.context import DecodeContext
+from specwire.orchestrator.context import DecodeContext
 from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest, StepResult
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 
-from orchestrator.context import DecodeContext
-from orchestrator.sampling import choose
+from specwire.orchestrator.context import DecodeContext
+from specwire.orchestrator.sampling import choose
 from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
 
 

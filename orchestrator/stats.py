@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator.models import CallStats
-from protos import orchestrator_pb2
+from specwire.orchestrator.models import CallStats
+from specwire.v1 import orchestrator_pb2
 
 
 @dataclass

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import grpc
 from transformers.utils import logging as hf_logging
 
-from protos import model_pb2_grpc
+from specwire.v1 import model_pb2_grpc
 from specwire import serving, telemetry
 from specwire.config import ModelServiceConfig
 from specwire.engine import CausalLM, Engine

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from opentelemetry.trace import Span, SpanKind
 
-from protos import model_pb2, model_pb2_grpc
+from specwire.v1 import model_pb2, model_pb2_grpc
 from specwire import telemetry, wire
 from specwire.errors import InvalidArgument, StatusError
 from specwire.metrics import ModelServiceMetrics

@@ -11,7 +11,7 @@ from typing import cast
 
 import torch
 
-from protos import common_pb2, model_pb2
+from specwire.v1 import common_pb2, model_pb2
 from specwire.processing import ProcessingConfig
 from specwire.session import (
     ModelInfo,

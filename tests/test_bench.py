@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from client import bench, experiment
-from client.speedup import alpha_estimate, best_gamma, expected_tokens_per_round, predicted_speedup, time_per_token_ms
+from specwire.bench import bench, experiment
+from specwire.orchestrator.speedup import alpha_estimate, best_gamma, expected_tokens_per_round, predicted_speedup, time_per_token_ms
 
 REQUIRED_FIELDS = [
     "name",

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def specwire(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "client", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "specwire", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 def test_generate_json_has_tokens_text_reason_and_stats(llama_stack: Stack) -> None:

@@ -16,9 +16,9 @@ import pytest
 import torch
 from transformers import LogitsProcessor, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
-from client import Client, GenerationError
-from orchestrator.context import DecodeContext
-from orchestrator.contrastive import (
+from specwire.client import Client, GenerationError
+from specwire.orchestrator.context import DecodeContext
+from specwire.orchestrator.contrastive import (
     WirePlan,
     _expert_columns,
     contrastive,
@@ -29,7 +29,7 @@ from orchestrator.contrastive import (
     plausible,
     sample_column,
 )
-from protos import orchestrator_pb2
+from specwire.v1 import orchestrator_pb2
 from specwire import wire
 from specwire.engine import CausalLM, Engine
 from specwire.errors import InvalidArgument
@@ -351,7 +351,7 @@ def test_cli_generates_contrastively_with_every_flag(llama_stack: Stack) -> None
     args = ["generate", "--address", llama_stack.address, "--prompt", "def add(a, b):", "--strategy", "contrastive",
             "--cd-form", "li", "--cd-alpha", "0.2", "--cd-beta", "0.7", "--amateur-temperature", "0.5",
             "--max-new-tokens", "8", "--ignore-eos", "--json"]
-    run = subprocess.run([sys.executable, "-m", "client", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-m", "specwire", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     sdk = Client(llama_stack.address).generate(

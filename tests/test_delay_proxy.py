@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from client.sdk import Client
+from specwire.client.sdk import Client
 from specwire.delay_proxy import DelayProxy, LinkClock, LinkConfig, release_time, split_address
 from tests.harness import LoopThread, Stack, start_orchestrator
 

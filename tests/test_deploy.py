@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from client.cli import build_parser
+from specwire.client.cli import build_parser
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 KUBERNETES_VERSION = "1.30.0"

@@ -13,9 +13,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from client import Client, GenerationError
-from orchestrator.generation import check_compatible
-from orchestrator.models import LocalModel
+from specwire.client import Client, GenerationError
+from specwire.orchestrator.generation import check_compatible
+from specwire.orchestrator.models import LocalModel
 from specwire.engine import load_tokenizer
 from specwire.errors import FailedPrecondition
 from tests.conftest import load_engine
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def spawn_service(role: str, model_dir: Path) -> tuple[subprocess.Popen[str], str]:
     """`specwire serve ROLE` as a real child process on a free port; returns it and its address."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "client", "serve", role, "--model", str(model_dir), "--port", "0", "--device", "cpu"],
+        [sys.executable, "-m", "specwire", "serve", role, "--model", str(model_dir), "--port", "0", "--device", "cpu"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     assert process.stdout is not None
@@ -95,7 +95,7 @@ def test_orchestrator_refuses_to_start_with_a_mismatched_draft(loop: LoopThread,
     draft = loop.run(start_model_server(load_engine(other, "draft")))
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "client", "serve", "orchestrator", "--port", "0",
+            [sys.executable, "-m", "specwire", "serve", "orchestrator", "--port", "0",
              "--target", target.address, "--draft", draft.address],
             cwd=ROOT, capture_output=True, text=True, timeout=120,
         )

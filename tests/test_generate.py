@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from client import Client
+from specwire.client import Client
 from tests.conftest import hf_model
 from tests.harness import Stack
 

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from client import AsyncClient, Client
-from client.sdk import build_request
-from orchestrator.generation import Decoder
-from orchestrator.models import LocalModel
+from specwire.client import AsyncClient, Client
+from specwire.client.sdk import build_request
+from specwire.orchestrator.generation import Decoder
+from specwire.orchestrator.models import LocalModel
 from specwire.engine import load_tokenizer
 from tests.conftest import load_engine
 from tests.harness import Stack

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from draft_service.ngram import NgramDrafter, NgramSession, ngram_proposal
-from orchestrator.speculative import (
+from specwire.draft_service.ngram import NgramDrafter, NgramSession, ngram_proposal
+from specwire.orchestrator.speculative import (
     SessionSync,
     accept_draft,
     accept_drafts,

@@ -12,10 +12,10 @@ import grpc
 import pytest
 import torch
 
-from client import Client, GenerationError
-from client.cli import main as cli_main
-from draft_service.ngram import NgramDrafter
-from draft_service.server import build_backend
+from specwire.client import Client, GenerationError
+from specwire.client.cli import main as cli_main
+from specwire.draft_service.ngram import NgramDrafter
+from specwire.draft_service.server import build_backend
 from specwire.config import ModelServiceConfig
 from specwire.errors import InvalidArgument
 from tests.conftest import hf_model

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from client import Client, cli
-from client.launcher import free_base_port
-from orchestrator.generation import STRATEGIES
-from specwire.trace_summary import PARTS, format_summary, summarize
+from specwire.client import Client, cli
+from specwire.client.launcher import free_base_port
+from specwire.orchestrator.generation import STRATEGIES
+from specwire.bench.trace_summary import PARTS, format_summary, summarize
 from tests.harness import LoopThread
 from tests.observed import SERVICES, start_observed_stack
 
@@ -100,7 +100,7 @@ def test_up_with_trace_dir_writes_one_trace_across_three_processes(
     port = free_base_port()
     trace_dir = tmp_path / "traces"
     process = subprocess.Popen(
-        [sys.executable, "-m", "client", "up", "--target-model", str(llama_target_dir),
+        [sys.executable, "-m", "specwire", "up", "--target-model", str(llama_target_dir),
          "--draft-model", str(llama_draft_dir), "--port", str(port), "--device", "cpu", "--trace-dir", str(trace_dir)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )

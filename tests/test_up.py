@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from client import Client
-from client.launcher import free_base_port
+from specwire.client import Client
+from specwire.client.launcher import free_base_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_up_serves_and_stops_on_sigterm(llama_target_dir: Path, llama_draft_dir: Path) -> None:
     port = free_base_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "client", "up", "--target-model", str(llama_target_dir),
+        [sys.executable, "-m", "specwire", "up", "--target-model", str(llama_target_dir),
          "--draft-model", str(llama_draft_dir), "--port", str(port), "--device", "cpu"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from protos import common_pb2
+from specwire.v1 import common_pb2
 from specwire import wire
 from specwire.processing import ProcessingConfig
 from specwire.session import OpenRequest, ScoreKind, Scores, Scoring, ServerTiming, StepRequest, StepResult
@@ -60,15 +60,16 @@ def test_session_messages_round_trip() -> None:
 
 
 def test_generated_modules_match_the_proto_files(tmp_path: Path) -> None:
-    protos = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "protos").glob("*.proto"))
+    package = Path("specwire") / "v1"
+    protos = sorted((package / p.name).as_posix() for p in (ROOT / "protos" / package).glob("*.proto"))
     subprocess.run(
         [sys.executable, "-m", "grpc_tools.protoc", "-I.", f"--python_out={tmp_path}", f"--pyi_out={tmp_path}",
          f"--grpc_python_out={tmp_path}", *protos],
-        cwd=ROOT, check=True,
+        cwd=ROOT / "protos", check=True,
     )
-    generated = sorted((tmp_path / "protos").iterdir())
+    generated = sorted((tmp_path / package).iterdir())
     assert generated, "protoc generated nothing"
     for path in generated:
-        committed = ROOT / "protos" / path.name
+        committed = ROOT / "protos" / package / path.name
         assert committed.exists(), f"{path.name} is generated but not committed: run `make protos`"
-        assert committed.read_bytes() == path.read_bytes(), f"protos/{path.name} drifted from its .proto: run `make protos`"
+        assert committed.read_bytes() == path.read_bytes(), f"{committed} drifted from its .proto: run `make protos`"

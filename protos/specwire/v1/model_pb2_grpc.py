@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import model_pb2 as protos_dot_model__pb2
+from specwire.v1 import model_pb2 as specwire_dot_v1_dot_model__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/model_pb2_grpc.py depends on'
+        + ' but the generated code in specwire/v1/model_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class ModelServiceStub:
         """
         self.Info = channel.unary_unary(
                 '/specwire.v1.ModelService/Info',
-                request_serializer=protos_dot_model__pb2.InfoRequest.SerializeToString,
-                response_deserializer=protos_dot_model__pb2.ModelInfo.FromString,
+                request_serializer=specwire_dot_v1_dot_model__pb2.InfoRequest.SerializeToString,
+                response_deserializer=specwire_dot_v1_dot_model__pb2.ModelInfo.FromString,
                 _registered_method=True)
         self.Session = channel.stream_stream(
                 '/specwire.v1.ModelService/Session',
-                request_serializer=protos_dot_model__pb2.SessionRequest.SerializeToString,
-                response_deserializer=protos_dot_model__pb2.SessionReply.FromString,
+                request_serializer=specwire_dot_v1_dot_model__pb2.SessionRequest.SerializeToString,
+                response_deserializer=specwire_dot_v1_dot_model__pb2.SessionReply.FromString,
                 _registered_method=True)
 
 
@@ -71,13 +71,13 @@ def add_ModelServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
-                    request_deserializer=protos_dot_model__pb2.InfoRequest.FromString,
-                    response_serializer=protos_dot_model__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=specwire_dot_v1_dot_model__pb2.InfoRequest.FromString,
+                    response_serializer=specwire_dot_v1_dot_model__pb2.ModelInfo.SerializeToString,
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
-                    request_deserializer=protos_dot_model__pb2.SessionRequest.FromString,
-                    response_serializer=protos_dot_model__pb2.SessionReply.SerializeToString,
+                    request_deserializer=specwire_dot_v1_dot_model__pb2.SessionRequest.FromString,
+                    response_serializer=specwire_dot_v1_dot_model__pb2.SessionReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -105,8 +105,8 @@ class ModelService:
             request,
             target,
             '/specwire.v1.ModelService/Info',
-            protos_dot_model__pb2.InfoRequest.SerializeToString,
-            protos_dot_model__pb2.ModelInfo.FromString,
+            specwire_dot_v1_dot_model__pb2.InfoRequest.SerializeToString,
+            specwire_dot_v1_dot_model__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -132,8 +132,8 @@ class ModelService:
             request_iterator,
             target,
             '/specwire.v1.ModelService/Session',
-            protos_dot_model__pb2.SessionRequest.SerializeToString,
-            protos_dot_model__pb2.SessionReply.FromString,
+            specwire_dot_v1_dot_model__pb2.SessionRequest.SerializeToString,
+            specwire_dot_v1_dot_model__pb2.SessionReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,14 +19,14 @@ in a freshly shuffled order, so drifting machine load spreads over all of them):
 Every row decodes greedily and ignores end-of-sequence (transformers: `eos_token_id=None`;
 specwire: `ignore_eos`), so every row generates exactly `max_new_tokens` tokens per prompt, and
 `matches_hf_target` records the share of (repeat, prompt) pairs whose tokens equal row (a)'s.
-The specwire rows run against three real services started by `client.launcher.Stack` on
+The specwire rows run against three real services started by `specwire.client.launcher.Stack` on
 loopback; time is measured by the client around each `Generate` call.
 
 Derived figures (null where they do not apply):
   ratio_vs_hf_target / ratio_vs_hf_assisted: the median over repeats of this row's tokens/s over
     row (a)'s / the best (b) row's (best median tokens/s) in the same repeat (paired ratios);
   acceptance_rate: accepted / drafted tokens; alpha: accepted / (accepted + rejections), the
-    per-token acceptance probability of the i.i.d. model (`client.speedup.alpha_estimate`);
+    per-token acceptance probability of the i.i.d. model (`specwire.orchestrator.speedup.alpha_estimate`);
   cost_ratio_c: (draft compute per drafted token) / (target compute per target forward) — the
     services' own reported compute for specwire rows, forward hooks on the in-process models for
     transformers rows;
@@ -55,8 +55,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from client.launcher import Stack, StackConfig, free_base_port
-from client.speedup import alpha_estimate, predicted_speedup
+from specwire.client.launcher import Stack, StackConfig, free_base_port
+from specwire.orchestrator.speedup import alpha_estimate, predicted_speedup
 
 SCHEMA = "specwire.bench/1"
 
@@ -510,7 +510,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from client.sdk import Client, GenerationError
+    from specwire.client.sdk import Client, GenerationError
 
     unknown = set(config.rows) - set(ROW_NAMES)
     if unknown:

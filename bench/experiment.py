@@ -1,6 +1,6 @@
 """`specwire experiment`: speculative decoding across emulated network round trips and γ.
 
-For each RTT a stack is started with `client.launcher.Stack` — delay proxies in front of both
+For each RTT a stack is started with `specwire.client.launcher.Stack` — delay proxies in front of both
 model services when RTT > 0 (one-way delay RTT/2, `specwire.delay_proxy`), direct loopback at 0 —
 and for each strategy and γ the prompts are generated greedily with `ignore_eos`. Written to
 `--out DIR`:
@@ -12,7 +12,7 @@ and for each strategy and γ the prompts are generated greedily with `ignore_eos
   summary.json          the same, plus the settings and the fitted model inputs;
   tokens_per_s_vs_rtt.png, best_gamma.png, round_breakdown.png.
 
-The latency model (`client.speedup`): time per token = (γ·t_d + t_v + R)·(1 − α)/(1 − α^(γ+1)),
+The latency model (`specwire.orchestrator.speedup`): time per token = (γ·t_d + t_v + R)·(1 − α)/(1 − α^(γ+1)),
 with α the per-token acceptance probability pooled over every speculative run (a property of
 the model pair and prompts, not of the network); t_d and t_v from the server-reported compute of
 a round (draft + target) fitted per RTT as t_v + γ·t_d over the γ values run (the marginal cost
@@ -35,9 +35,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from client.bench import Sample, default_models, load_prompts, specwire_sample
-from client.launcher import Stack, StackConfig, free_base_port
-from client.speedup import alpha_estimate, best_gamma, time_per_token_ms
+from specwire.bench.bench import Sample, default_models, load_prompts, specwire_sample
+from specwire.client.launcher import Stack, StackConfig, free_base_port
+from specwire.orchestrator.speedup import alpha_estimate, best_gamma, time_per_token_ms
 
 STRATEGIES = ("speculative", "greedy")
 
@@ -89,7 +89,7 @@ class Measurement:
 
 def measure(config: ExperimentConfig, prompt_ids: list[list[int]], bar: Any) -> list[Measurement]:
     """Every RTT's stack in turn; the cells of one RTT run on the same stack."""
-    from client.sdk import Client
+    from specwire.client.sdk import Client
 
     cells: list[Measurement] = []
     log_root = Path(tempfile.mkdtemp(prefix="specwire-experiment-"))

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import orchestrator_pb2 as protos_dot_orchestrator__pb2
+from specwire.v1 import orchestrator_pb2 as specwire_dot_v1_dot_orchestrator__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/orchestrator_pb2_grpc.py depends on'
+        + ' but the generated code in specwire/v1/orchestrator_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class OrchestratorStub:
         """
         self.Generate = channel.unary_unary(
                 '/specwire.v1.Orchestrator/Generate',
-                request_serializer=protos_dot_orchestrator__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_orchestrator__pb2.GenerateResponse.FromString,
+                request_serializer=specwire_dot_v1_dot_orchestrator__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=specwire_dot_v1_dot_orchestrator__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.GenerateStream = channel.unary_stream(
                 '/specwire.v1.Orchestrator/GenerateStream',
-                request_serializer=protos_dot_orchestrator__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_orchestrator__pb2.GenerateDelta.FromString,
+                request_serializer=specwire_dot_v1_dot_orchestrator__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=specwire_dot_v1_dot_orchestrator__pb2.GenerateDelta.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/specwire.v1.Orchestrator/Info',
-                request_serializer=protos_dot_orchestrator__pb2.OrchestratorInfoRequest.SerializeToString,
-                response_deserializer=protos_dot_orchestrator__pb2.OrchestratorInfo.FromString,
+                request_serializer=specwire_dot_v1_dot_orchestrator__pb2.OrchestratorInfoRequest.SerializeToString,
+                response_deserializer=specwire_dot_v1_dot_orchestrator__pb2.OrchestratorInfo.FromString,
                 _registered_method=True)
 
 
@@ -81,18 +81,18 @@ def add_OrchestratorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_unary_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_orchestrator__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_orchestrator__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=specwire_dot_v1_dot_orchestrator__pb2.GenerateRequest.FromString,
+                    response_serializer=specwire_dot_v1_dot_orchestrator__pb2.GenerateResponse.SerializeToString,
             ),
             'GenerateStream': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateStream,
-                    request_deserializer=protos_dot_orchestrator__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_orchestrator__pb2.GenerateDelta.SerializeToString,
+                    request_deserializer=specwire_dot_v1_dot_orchestrator__pb2.GenerateRequest.FromString,
+                    response_serializer=specwire_dot_v1_dot_orchestrator__pb2.GenerateDelta.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
-                    request_deserializer=protos_dot_orchestrator__pb2.OrchestratorInfoRequest.FromString,
-                    response_serializer=protos_dot_orchestrator__pb2.OrchestratorInfo.SerializeToString,
+                    request_deserializer=specwire_dot_v1_dot_orchestrator__pb2.OrchestratorInfoRequest.FromString,
+                    response_serializer=specwire_dot_v1_dot_orchestrator__pb2.OrchestratorInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -120,8 +120,8 @@ class Orchestrator:
             request,
             target,
             '/specwire.v1.Orchestrator/Generate',
-            protos_dot_orchestrator__pb2.GenerateRequest.SerializeToString,
-            protos_dot_orchestrator__pb2.GenerateResponse.FromString,
+            specwire_dot_v1_dot_orchestrator__pb2.GenerateRequest.SerializeToString,
+            specwire_dot_v1_dot_orchestrator__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -147,8 +147,8 @@ class Orchestrator:
             request,
             target,
             '/specwire.v1.Orchestrator/GenerateStream',
-            protos_dot_orchestrator__pb2.GenerateRequest.SerializeToString,
-            protos_dot_orchestrator__pb2.GenerateDelta.FromString,
+            specwire_dot_v1_dot_orchestrator__pb2.GenerateRequest.SerializeToString,
+            specwire_dot_v1_dot_orchestrator__pb2.GenerateDelta.FromString,
             options,
             channel_credentials,
             insecure,
@@ -174,8 +174,8 @@ class Orchestrator:
             request,
             target,
             '/specwire.v1.Orchestrator/Info',
-            protos_dot_orchestrator__pb2.OrchestratorInfoRequest.SerializeToString,
-            protos_dot_orchestrator__pb2.OrchestratorInfo.FromString,
+            specwire_dot_v1_dot_orchestrator__pb2.OrchestratorInfoRequest.SerializeToString,
+            specwire_dot_v1_dot_orchestrator__pb2.OrchestratorInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,6 @@
 """Which wire plan should contrastive decoding use? Time steps of each over real services.
 
-`python -m orchestrator.contrastive_bench [--json]` builds a random Llama expert/amateur pair with
+`python -m specwire.bench.contrastive_bench [--json]` builds a random Llama expert/amateur pair with
 a realistic vocabulary (32k by default; the numbers are about the wire, not the text), starts each
 as its own `specwire serve target|draft` process on loopback (one torch thread each, so the two
 forwards can overlap), and runs `orchestrator.contrastive.contrastive` with each `WirePlan`,
@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from orchestrator.context import DecodeContext
-from orchestrator.contrastive import WirePlan, contrastive
-from orchestrator.models import RemoteModel
-from orchestrator.params import GenerationParams
+from specwire.orchestrator.context import DecodeContext
+from specwire.orchestrator.contrastive import WirePlan, contrastive
+from specwire.orchestrator.models import RemoteModel
+from specwire.orchestrator.params import GenerationParams
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANS: dict[str, WirePlan] = {
@@ -81,7 +81,7 @@ def save_model(path: Path, vocab: int, hidden: int, layers: int, seed: int) -> P
 def start_service(role: str, model: Path) -> tuple[subprocess.Popen[str], str]:
     """`specwire serve ROLE` on a free port; returns the process and its address once READY."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    command = [sys.executable, "-m", "client", "serve", role, "--model", str(model), "--port", "0",
+    command = [sys.executable, "-m", "specwire", "serve", role, "--model", str(model), "--port", "0",
                "--device", "cpu", "--dtype", "float32"]
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None

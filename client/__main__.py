@@ -1,3 +1,0 @@
-from client.cli import main
-
-raise SystemExit(main())

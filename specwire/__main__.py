@@ -1,0 +1,3 @@
+from specwire.client.cli import main
+
+raise SystemExit(main())
