@@ -507,10 +507,9 @@ def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple
 
 def run_bench(config: BenchConfig) -> dict[str, Any]:
     """Run every row of `config.rows` and return the report (metadata + rows)."""
+    from specwire.client.sdk import Client, GenerationError
     from tqdm import tqdm
     from transformers import AutoTokenizer
-
-    from specwire.client.sdk import Client, GenerationError
 
     unknown = set(config.rows) - set(ROW_NAMES)
     if unknown:

@@ -30,12 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from specwire.orchestrator.context import DecodeContext
 from specwire.orchestrator.contrastive import WirePlan, contrastive
 from specwire.orchestrator.models import RemoteModel
 from specwire.orchestrator.params import GenerationParams
+from transformers import LlamaConfig, LlamaForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANS: dict[str, WirePlan] = {

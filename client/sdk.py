@@ -19,8 +19,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
-
 from specwire.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
 from specwire import telemetry
 from specwire.serving import CHANNEL_OPTIONS
 

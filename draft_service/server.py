@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from specwire.draft_service.ngram import NgramDrafter
+
 from specwire.config import ModelServiceConfig
 from specwire.demo import demo_draft_dir, demo_target_dir
 from specwire.errors import InvalidArgument

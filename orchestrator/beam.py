@@ -21,8 +21,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import torch
-
 from specwire.orchestrator.context import BeamSequence, DecodeContext
+
 from specwire.session import OpenRequest, ScoreKind, Scores, Scoring, StepRequest
 
 MASKED = -1.0e9  # transformers' stand-in for -inf in beam scores

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from opentelemetry.trace import Span
-
 from specwire.orchestrator.models import CallStats, ModelHandle
 from specwire.orchestrator.params import GenerationParams
 from specwire.orchestrator.stats import RunStats
+
 from specwire import telemetry
 from specwire.errors import FailedPrecondition
 from specwire.metrics import OrchestratorMetrics

@@ -40,10 +40,10 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import torch
-
 from specwire.orchestrator.beam import beam_step, finish_beams, start_beams
 from specwire.orchestrator.context import DecodeContext
 from specwire.orchestrator.params import GenerationParams
+
 from specwire.errors import FailedPrecondition, InvalidArgument
 from specwire.processing import NEG_INF, ProcessingConfig, apply_warpers
 from specwire.session import ModelSession, OpenRequest, ScoreKind, Scores, Scoring, StepRequest

@@ -17,8 +17,6 @@ from typing import cast
 
 import torch
 from opentelemetry.trace import Span, SpanKind
-from transformers import PreTrainedTokenizerBase
-
 from specwire.orchestrator import params as request_params
 from specwire.orchestrator.beam import beam_search
 from specwire.orchestrator.context import BeamSequence, DecodeContext
@@ -30,6 +28,8 @@ from specwire.orchestrator.speculative import speculative
 from specwire.orchestrator.standard import standard
 from specwire.orchestrator.stats import RunStats
 from specwire.v1 import orchestrator_pb2
+from transformers import PreTrainedTokenizerBase
+
 from specwire import telemetry
 from specwire.engine import tokenizer_fingerprint
 from specwire.errors import FailedPrecondition, InvalidArgument, StatusError

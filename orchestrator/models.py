@@ -13,8 +13,8 @@ from typing import Protocol
 
 import grpc
 from opentelemetry.trace import SpanKind
-
 from specwire.v1 import model_pb2, model_pb2_grpc
+
 from specwire import telemetry, wire
 from specwire.errors import StatusError, Unavailable
 from specwire.serving import CHANNEL_OPTIONS

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from specwire.v1 import orchestrator_pb2
+
 from specwire.errors import InvalidArgument, check_token_ids
 from specwire.processing import ProcessingConfig
 

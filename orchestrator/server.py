@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 from opentelemetry.trace import SpanKind
-
 from specwire.orchestrator.context import BeamSequence
 from specwire.orchestrator.generation import STRATEGIES, Decoder, Delta, Result
 from specwire.orchestrator.models import RemoteModel
 from specwire.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
 from specwire import serving, telemetry
 from specwire.config import OrchestratorConfig
 from specwire.engine import load_tokenizer

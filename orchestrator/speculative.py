@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from specwire.orchestrator.context import DecodeContext
+
 from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest, StepResult
 
 

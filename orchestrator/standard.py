@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator
 
 from specwire.orchestrator.context import DecodeContext
 from specwire.orchestrator.sampling import choose
+
 from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
 
 

@@ -9,13 +9,13 @@ from collections.abc import Callable
 import grpc
 from transformers.utils import logging as hf_logging
 
-from specwire.v1 import model_pb2_grpc
 from specwire import serving, telemetry
 from specwire.config import ModelServiceConfig
 from specwire.engine import CausalLM, Engine
 from specwire.metrics import ModelServiceMetrics, serve_metrics
 from specwire.model_service import SERVICE_NAME, ModelServicer
 from specwire.session import Backend
+from specwire.v1 import model_pb2_grpc
 
 log = logging.getLogger("specwire")
 

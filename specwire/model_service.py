@@ -18,11 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from opentelemetry.trace import Span, SpanKind
 
-from specwire.v1 import model_pb2, model_pb2_grpc
 from specwire import telemetry, wire
 from specwire.errors import InvalidArgument, StatusError
 from specwire.metrics import ModelServiceMetrics
 from specwire.session import Backend, BackendSession, OpenRequest, ScoreKind, StepRequest
+from specwire.v1 import model_pb2, model_pb2_grpc
 
 SERVICE_NAME = model_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name
 

@@ -11,7 +11,6 @@ from typing import cast
 
 import torch
 
-from specwire.v1 import common_pb2, model_pb2
 from specwire.processing import ProcessingConfig
 from specwire.session import (
     ModelInfo,
@@ -23,6 +22,7 @@ from specwire.session import (
     StepRequest,
     StepResult,
 )
+from specwire.v1 import common_pb2, model_pb2
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

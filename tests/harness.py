@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
-
 from specwire.orchestrator.generation import Decoder
 from specwire.orchestrator.server import SERVICE_NAME as ORCHESTRATOR_SERVICE
 from specwire.orchestrator.server import OrchestratorServicer, build_decoder
 from specwire.v1 import model_pb2_grpc, orchestrator_pb2_grpc
+
 from specwire import serving, telemetry
 from specwire.config import OrchestratorConfig
 from specwire.metrics import ModelServiceMetrics, OrchestratorMetrics

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from specwire.draft_service.ngram import NgramDrafter
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from specwire.draft_service.ngram import NgramDrafter
 from specwire.demo import demo_draft_dir, demo_target_dir
 from tests.conftest import load_engine, make_stack
 from tests.harness import LoopThread, Stack, start_model_server, start_orchestrator

@@ -11,9 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from specwire.bench import bench, experiment
-from specwire.orchestrator.speedup import alpha_estimate, best_gamma, expected_tokens_per_round, predicted_speedup, time_per_token_ms
+from specwire.orchestrator.speedup import (
+    alpha_estimate,
+    best_gamma,
+    expected_tokens_per_round,
+    predicted_speedup,
+    time_per_token_ms,
+)
 
 REQUIRED_FIELDS = [
     "name",

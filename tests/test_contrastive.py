@@ -14,8 +14,6 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from transformers import LogitsProcessor, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
-
 from specwire.client import Client, GenerationError
 from specwire.orchestrator.context import DecodeContext
 from specwire.orchestrator.contrastive import (
@@ -30,6 +28,8 @@ from specwire.orchestrator.contrastive import (
     sample_column,
 )
 from specwire.v1 import orchestrator_pb2
+from transformers import LogitsProcessor, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
+
 from specwire import wire
 from specwire.engine import CausalLM, Engine
 from specwire.errors import InvalidArgument

@@ -15,8 +15,8 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-
 from specwire.client.sdk import Client
+
 from specwire.delay_proxy import DelayProxy, LinkClock, LinkConfig, release_time, split_address
 from tests.harness import LoopThread, Stack, start_orchestrator
 

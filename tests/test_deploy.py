@@ -9,7 +9,6 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-
 from specwire.client.cli import build_parser
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"

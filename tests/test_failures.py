@@ -12,10 +12,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from specwire.client import Client, GenerationError
 from specwire.orchestrator.generation import check_compatible
 from specwire.orchestrator.models import LocalModel
+
 from specwire.engine import load_tokenizer
 from specwire.errors import FailedPrecondition
 from tests.conftest import load_engine

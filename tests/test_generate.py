@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from specwire.client import Client
+
 from tests.conftest import hf_model
 from tests.harness import Stack
 

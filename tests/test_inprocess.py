@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from specwire.client import AsyncClient, Client
 from specwire.client.sdk import build_request
 from specwire.orchestrator.generation import Decoder
 from specwire.orchestrator.models import LocalModel
+
 from specwire.engine import load_tokenizer
 from tests.conftest import load_engine
 from tests.harness import Stack

@@ -7,8 +7,8 @@ from typing import Any
 
 import grpc
 import pytest
-
 from specwire.client import Client, GenerationError
+
 from tests.harness import Stack
 
 CASES: list[tuple[dict[str, Any], str]] = [

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 from specwire.client import AsyncClient, Client
 from specwire.orchestrator.speculative import accept_drafts
+
 from specwire.processing import ProcessingConfig, sampling_probs
 from tests.conftest import hf_model
 from tests.goodness_of_fit import chi_square_pvalue

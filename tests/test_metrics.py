@@ -11,10 +11,10 @@ from typing import cast
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from specwire.client import Client, GenerationError
 from specwire.client.sdk import StreamDelta
 from specwire.orchestrator.generation import STRATEGIES
+
 from specwire.metrics import serve_metrics
 from tests.harness import LoopThread
 from tests.observed import Observed, start_observed_stack

@@ -6,8 +6,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
 from specwire.v1 import model_pb2, model_pb2_grpc
+
 from tests.harness import LoopThread, Stack, start_model_server
 
 

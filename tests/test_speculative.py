@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from specwire.draft_service.ngram import NgramDrafter, NgramSession, ngram_proposal
 from specwire.orchestrator.speculative import (
     SessionSync,
@@ -17,6 +16,7 @@ from specwire.orchestrator.speculative import (
     one_hot_probs,
     residual_distribution,
 )
+
 from specwire.engine import CausalLM, Engine
 from specwire.errors import InvalidArgument
 from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest

@@ -11,11 +11,11 @@ from typing import Any
 import grpc
 import pytest
 import torch
-
 from specwire.client import Client, GenerationError
 from specwire.client.cli import main as cli_main
 from specwire.draft_service.ngram import NgramDrafter
 from specwire.draft_service.server import build_backend
+
 from specwire.config import ModelServiceConfig
 from specwire.errors import InvalidArgument
 from tests.conftest import hf_model

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
+from specwire.bench.trace_summary import PARTS, format_summary, summarize
 from specwire.client import Client, cli
 from specwire.client.launcher import free_base_port
 from specwire.orchestrator.generation import STRATEGIES
-from specwire.bench.trace_summary import PARTS, format_summary, summarize
+
 from tests.harness import LoopThread
 from tests.observed import SERVICES, start_observed_stack
 

@@ -16,11 +16,11 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
-
 from specwire.client import Client
 from specwire.orchestrator.generation import STRATEGIES
 from specwire.orchestrator.models import WaitClock
 from specwire.orchestrator.stats import RunStats
+
 from specwire import telemetry
 from tests.harness import LoopThread
 from tests.observed import Observed, start_observed_stack

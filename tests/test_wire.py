@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from specwire.v1 import common_pb2
+
 from specwire import wire
 from specwire.processing import ProcessingConfig
 from specwire.session import OpenRequest, ScoreKind, Scores, Scoring, ServerTiming, StepRequest, StepResult
