@@ -312,7 +312,7 @@ def specwire_sample(client: Any, strategy: str, prompt_ids: list[int], max_new_t
     if strategy == "speculative":
         params["num_speculative_tokens"] = gamma
     started = time.perf_counter()
-    result = client.generate(prompt_ids=prompt_ids, **params)
+    result = client.generate(input_ids=prompt_ids, **params)
     seconds = time.perf_counter() - started
     s = result.stats
     return Sample(

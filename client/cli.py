@@ -14,7 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from specwire.bench import bench, experiment
-from specwire.client.sdk import Client, GenerateResult, GenerationError, stats_as_dict
+from specwire.client.sdk import Client, GenerateResult, GenerationError, enum_names, stats_as_dict
+
+from specwire import __version__
+from specwire.extras import require
 
 # Generation flags: (flag, type, help). The SDK keyword is the flag with underscores.
 GENERATION_FLAGS: list[tuple[str, Any, str]] = [
@@ -101,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--address", default="127.0.0.1:50051")
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
-    prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
+    prompt.add_argument("--input-ids", help="prompt token ids, comma-separated")
     _add_generation_flags(generate)
     generate.add_argument("--stream", action="store_true", help="print text as it is generated")
     generate.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -140,19 +143,19 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--strategy", default="greedy", help="greedy | sample | beam | speculative | contrastive")
+    parser.add_argument("--strategy", default="greedy", choices=enum_names("strategy"))
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
-    parser.add_argument("--stop", action="append", help="stop string (repeatable)")
-    parser.add_argument("--early-stopping", choices=["false", "true", "never"], default=None)
-    parser.add_argument("--cd-form", choices=["obrien", "li"], default=None)
+    parser.add_argument("--stop-strings", action="append", metavar="STRING", help="stop string (repeatable)")
+    parser.add_argument("--early-stopping", choices=enum_names("early_stopping"), default=None)
+    parser.add_argument("--cd-form", choices=enum_names("cd_form"), default=None)
     for flag, kind, text in GENERATION_FLAGS:
         parser.add_argument(flag, type=kind, default=None, help=text)
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """SDK keywords from parsed flags (unset flags left out)."""
-    names = ["strategy", "max_new_tokens", "stop", "early_stopping", "cd_form"]
+    names = ["strategy", "max_new_tokens", "stop_strings", "early_stopping", "cd_form"]
     names += [flag[2:].replace("-", "_") for flag, _, _ in GENERATION_FLAGS]
     kwargs = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.ignore_eos:
@@ -164,7 +167,7 @@ def _parse_ids(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise SystemExit(f"--prompt-ids: expected comma-separated integers, got {text!r}") from None
+        raise SystemExit(f"--input-ids: expected comma-separated integers, got {text!r}") from None
 
 
 def _print_result(result: GenerateResult, as_json: bool) -> None:
@@ -184,8 +187,8 @@ def _print_result(result: GenerateResult, as_json: bool) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     kwargs = generation_kwargs(args)
-    if args.prompt_ids is not None:
-        kwargs["prompt_ids"] = _parse_ids(args.prompt_ids)
+    if args.input_ids is not None:
+        kwargs["input_ids"] = _parse_ids(args.input_ids)
     with Client(args.address, timeout=args.timeout) as client:
         if args.stream and not args.json:
             last = None
@@ -340,6 +343,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_trace(args: argparse.Namespace) -> int:
     from specwire.bench.trace_summary import format_summary, plot_rounds, summarize
 
+    if args.plot:
+        require("matplotlib", "plots", "specwire trace summarize --plot")
     try:
         summary = summarize(args.paths)
     except FileNotFoundError as error:

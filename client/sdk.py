@@ -1,7 +1,10 @@
 """The Python SDK: sync `Client` and asyncio `AsyncClient` over the `Orchestrator` API.
 
 Parameters are named like the CLI flags with underscores (`temperature`, `top_k`, `num_beams`,
-`ignore_eos`, `seed`, …), as in transformers' `generate`. Results are typed.
+`stop_strings`, `input_ids`, …), as in transformers' `generate`; the README lists the few that
+are ours (`ignore_eos`, `seed`, `num_speculative_tokens`, …). Enum parameters take lowercase
+names (`strategy="beam"`, `early_stopping=True | False | "never"`, `cd_form="li"`); results give
+`finish_reason` as "eos", "length" or "stop". Results are typed.
 
 Tracing: when the calling process has set up OpenTelemetry (a global tracer provider), each call
 is a client span, child of the caller's current span, and its W3C context travels in the call's
@@ -91,7 +94,8 @@ class StreamDelta:
 
 
 class GenerationError(Exception):
-    """The orchestrator refused or failed a request: `code` is the gRPC status."""
+    """A request was refused or failed: `code` is the gRPC status. The orchestrator raises it;
+    so does the SDK itself, with INVALID_ARGUMENT, for an enum name it cannot encode."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(f"{code.name}: {message}")
@@ -99,50 +103,83 @@ class GenerationError(Exception):
         self.message = message
 
 
+# Enum fields travel as numbers; the SDK takes and gives their lowercase names.
+_ENUM_PREFIXES = {
+    "strategy": (orchestrator_pb2.Strategy, "STRATEGY_"),
+    "early_stopping": (orchestrator_pb2.EarlyStopping, "EARLY_STOPPING_"),
+    "cd_form": (orchestrator_pb2.ContrastiveForm, "CONTRASTIVE_FORM_"),
+}
+
 _SCALAR_PARAMS = {f.name for f in orchestrator_pb2.GenerateRequest.DESCRIPTOR.fields} - {
     "prompt",
-    "prompt_ids",
-    "strategy",
-    "stop",
-    "early_stopping",
+    "input_ids",
+    "max_new_tokens",
+    "stop_strings",
+    *_ENUM_PREFIXES,
 }
+
+
+def enum_names(field_name: str) -> list[str]:
+    """The names an enum parameter takes, e.g. ["greedy", "sample", …] for "strategy"."""
+    enum, prefix = _ENUM_PREFIXES[field_name]
+    return [v.name.removeprefix(prefix).lower() for v in enum.DESCRIPTOR.values if v.number]
+
+
+def _enum_number(field_name: str, value: str | bool) -> int:
+    enum, prefix = _ENUM_PREFIXES[field_name]
+    name = str(value).lower()  # early_stopping: True / False / "never"
+    if name not in enum_names(field_name):
+        expected = ", ".join(enum_names(field_name))
+        raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, f"{field_name}: unknown value {value!r}; expected one of {expected}")
+    return enum.Value(prefix + name.upper())
 
 
 def build_request(
     prompt: str | None = None,
-    prompt_ids: Sequence[int] | None = None,
+    input_ids: Sequence[int] | None = None,
     strategy: str = "greedy",
     max_new_tokens: int | None = None,
-    stop: str | Sequence[str] | None = None,
+    stop_strings: str | Sequence[str] | None = None,
     early_stopping: bool | str | None = None,
+    cd_form: str | None = None,
     **params: Any,
 ) -> orchestrator_pb2.GenerateRequest:
-    """A `GenerateRequest` from keyword parameters named as in transformers' `generate`."""
+    """A `GenerateRequest` from keyword parameters named as in transformers' `generate`.
+    Give `prompt` (text) or `input_ids` (token ids); `early_stopping` is True, False or "never"."""
     unknown = set(params) - _SCALAR_PARAMS
     if unknown:
         raise TypeError(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
-    request = orchestrator_pb2.GenerateRequest(strategy=strategy)
+    request = orchestrator_pb2.GenerateRequest(strategy=_enum_number("strategy", strategy))  # type: ignore[arg-type]
+    if prompt is not None and input_ids is not None:
+        raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: give either prompt or input_ids, not both")
     if prompt is not None:
         request.prompt = prompt
-    if prompt_ids is not None:
-        request.prompt_ids.extend(prompt_ids)
+    if input_ids is not None:
+        request.input_ids.ids.extend(input_ids)
     if max_new_tokens is not None:
         request.max_new_tokens = max_new_tokens
-    if stop is not None:
-        request.stop.extend([stop] if isinstance(stop, str) else stop)
+    if stop_strings is not None:
+        request.stop_strings.extend([stop_strings] if isinstance(stop_strings, str) else stop_strings)
     if early_stopping is not None:
-        request.early_stopping = str(early_stopping).lower()
+        request.early_stopping = _enum_number("early_stopping", early_stopping)  # type: ignore[assignment]
+    if cd_form is not None:
+        request.cd_form = _enum_number("cd_form", cd_form)  # type: ignore[assignment]
     for name, value in params.items():
         if value is not None:
             setattr(request, name, value)
     return request
 
 
+def finish_reason_name(number: int) -> str:
+    """FINISH_REASON_EOS → "eos", …; UNSPECIFIED (not finished) → ""."""
+    return orchestrator_pb2.FinishReason.Name(number).removeprefix("FINISH_REASON_").lower() if number else ""  # type: ignore[arg-type]
+
+
 def _result_from_pb(reply: orchestrator_pb2.GenerateResponse) -> GenerateResult:
     return GenerateResult(
         token_ids=list(reply.token_ids),
         text=reply.text,
-        finish_reason=reply.finish_reason,
+        finish_reason=finish_reason_name(reply.finish_reason),
         stats=_stats_from_pb(reply.stats),
         sequences=[BeamSequence(list(s.token_ids), s.text, s.score) for s in reply.sequences],
     )
@@ -152,7 +189,7 @@ def _delta_from_pb(delta: orchestrator_pb2.GenerateDelta) -> StreamDelta:
     return StreamDelta(
         token_ids=list(delta.token_ids),
         text=delta.text,
-        finish_reason=delta.finish_reason,
+        finish_reason=finish_reason_name(delta.finish_reason),
         stats=_stats_from_pb(delta.stats) if delta.HasField("stats") else None,
     )
 

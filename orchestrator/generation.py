@@ -115,7 +115,7 @@ class Decoder:
 
     def prepare(self, request: orchestrator_pb2.GenerateRequest) -> tuple[GenerationParams, list[int]]:
         request_params.check_prompt(request, self.limits.vocab_size)
-        prompt_ids = list(request.prompt_ids) or self.tokenizer(request.prompt).input_ids
+        prompt_ids = list(request.input_ids.ids) or self.tokenizer(request.prompt).input_ids
         if not prompt_ids:
             raise InvalidArgument("prompt", "tokenizes to no tokens")
         params = request_params.parse(request, len(prompt_ids), self.limits)
@@ -131,8 +131,8 @@ class Decoder:
         Traced as one root span — a child of the caller's span when `caller_trace` (W3C headers
         from the call's metadata) names one — and counted in the metrics, when those are on.
         """
-        # A label, so only known names: the request's string is the caller's to choose.
-        strategy = request.strategy or "greedy"
+        # A label, so only known names: the request's number is the caller's to choose.
+        strategy = request_params.name_of(request.strategy, request_params.STRATEGY_VALUES) or "unknown"
         strategy = strategy if strategy in STRATEGIES else "unknown"
         span = None
         if self.tracing is not None:
@@ -202,7 +202,7 @@ class Decoder:
         )
         ctx.stats.prompt_tokens = len(prompt_ids)
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
-        output = Output(self.tokenizer, eos, params.max_new_tokens, params.stop)
+        output = Output(self.tokenizer, eos, params.max_new_tokens, params.stop_strings)
         started = time.perf_counter()
         decided = STRATEGIES[params.strategy](ctx)
         try:

@@ -15,6 +15,12 @@ from specwire.errors import InvalidArgument, check_token_ids
 from specwire.processing import ProcessingConfig
 
 STRATEGIES = ("greedy", "sample", "beam", "speculative", "contrastive")
+# Enum values by lowercase name (the SDK's and CLI's spelling); UNSPECIFIED (0) means the first.
+STRATEGY_VALUES = {name: orchestrator_pb2.Strategy.Value(f"STRATEGY_{name.upper()}") for name in STRATEGIES}
+EARLY_STOPPING_VALUES = {
+    name: orchestrator_pb2.EarlyStopping.Value(f"EARLY_STOPPING_{name.upper()}") for name in ("false", "true", "never")
+}
+CD_FORM_VALUES = {name: orchestrator_pb2.ContrastiveForm.Value(f"CONTRASTIVE_FORM_{name.upper()}") for name in ("obrien", "li")}
 MAX_BEAMS = 32
 MAX_SPECULATIVE_TOKENS = 64
 MAX_STOP_STRINGS = 16
@@ -35,7 +41,7 @@ class GenerationParams:
     strategy: str
     max_new_tokens: int
     ignore_eos: bool = False
-    stop: tuple[str, ...] = ()
+    stop_strings: tuple[str, ...] = ()
     seed: int | None = None
     processing: ProcessingConfig = field(default_factory=ProcessingConfig)
     num_beams: int = 1
@@ -63,20 +69,32 @@ def _opt(request: orchestrator_pb2.GenerateRequest, name: str, default: float) -
     return getattr(request, name) if request.HasField(name) else default  # type: ignore[no-any-return]
 
 
+def name_of(number: int, values: dict[str, int]) -> str | None:
+    """The lowercase name of an enum value; UNSPECIFIED (0) is the first name, the default.
+    None for a number this build does not know (proto3 enums are open)."""
+    if number == 0:
+        return next(iter(values))
+    return next((name for name, value in values.items() if value == number), None)
+
+
+def enum_name(request: orchestrator_pb2.GenerateRequest, field_name: str, values: dict[str, int]) -> str:
+    number = getattr(request, field_name)
+    name = name_of(number, values)
+    if name is None:
+        raise InvalidArgument(field_name, f"unknown value {number}; expected one of {', '.join(values)}")
+    return name
+
+
 def check_prompt(request: orchestrator_pb2.GenerateRequest, vocab_size: int) -> None:
-    has_text, has_ids = bool(request.prompt), bool(request.prompt_ids)
-    if has_text and has_ids:
-        raise InvalidArgument("prompt", "give either prompt or prompt_ids, not both")
-    if not has_text and not has_ids:
-        raise InvalidArgument("prompt", "must not be empty (give prompt or prompt_ids)")
-    check_token_ids(list(request.prompt_ids), vocab_size, "prompt_ids")
+    """`prompt` and `input_ids` are a oneof: the wire cannot carry both."""
+    if not request.prompt and not request.input_ids.ids:
+        raise InvalidArgument("prompt", "must not be empty (give prompt or input_ids)")
+    check_token_ids(list(request.input_ids.ids), vocab_size, "input_ids")
 
 
 def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Limits) -> GenerationParams:
     """Validate every field against its bound; `prompt_len` is the tokenized prompt's length."""
-    strategy = request.strategy or "greedy"
-    if strategy not in STRATEGIES:
-        raise InvalidArgument("strategy", f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+    strategy = enum_name(request, "strategy", STRATEGY_VALUES)
 
     max_new = request.max_new_tokens if request.HasField("max_new_tokens") else limits.default_max_new_tokens
     if not 1 <= max_new <= limits.max_new_tokens:
@@ -115,9 +133,8 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     if not 1 <= num_return <= num_beams:
         raise InvalidArgument("num_return_sequences", f"must be in [1, num_beams={num_beams}], got {num_return}")
     length_penalty = _finite(_opt(request, "length_penalty", 1.0), "length_penalty")
-    early: dict[str, bool | str] = {"": False, "false": False, "true": True, "never": "never"}
-    if request.early_stopping.lower() not in early:
-        raise InvalidArgument("early_stopping", f"must be 'false', 'true' or 'never', got {request.early_stopping!r}")
+    early: dict[str, bool | str] = {"false": False, "true": True, "never": "never"}
+    early_stopping = early[enum_name(request, "early_stopping", EARLY_STOPPING_VALUES)]
 
     gamma = int(_opt(request, "num_speculative_tokens", 4))
     if not 1 <= gamma <= MAX_SPECULATIVE_TOKENS:
@@ -126,9 +143,7 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     if not 0 <= threshold < 1:
         raise InvalidArgument("draft_confidence_threshold", f"must be in [0, 1), got {threshold}")
 
-    cd_form = request.cd_form or "obrien"
-    if cd_form not in ("obrien", "li"):
-        raise InvalidArgument("cd_form", f"must be 'obrien' or 'li', got {cd_form!r}")
+    cd_form = enum_name(request, "cd_form", CD_FORM_VALUES)
     cd_alpha = _finite(_opt(request, "cd_alpha", 0.1), "cd_alpha")
     if not 0 < cd_alpha <= 1:
         raise InvalidArgument("cd_alpha", f"must be in (0, 1], got {cd_alpha}")
@@ -139,10 +154,10 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     if amateur_t <= 0:
         raise InvalidArgument("amateur_temperature", f"must be > 0, got {amateur_t}")
 
-    if len(request.stop) > MAX_STOP_STRINGS or any(not s for s in request.stop):
-        raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
-    if request.stop and num_beams > 1:
-        raise InvalidArgument("stop", "stop strings are not supported with beam search (num_beams > 1)")
+    if len(request.stop_strings) > MAX_STOP_STRINGS or any(not s for s in request.stop_strings):
+        raise InvalidArgument("stop_strings", f"at most {MAX_STOP_STRINGS} non-empty strings")
+    if request.stop_strings and num_beams > 1:
+        raise InvalidArgument("stop_strings", "not supported with beam search (num_beams > 1)")
 
     sampling_fields = ("temperature", "top_k", "top_p", "min_p")
     sampling_asked = strategy == "sample" or (
@@ -162,12 +177,12 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
         strategy=strategy,
         max_new_tokens=max_new,
         ignore_eos=request.ignore_eos,
-        stop=tuple(request.stop),
+        stop_strings=tuple(request.stop_strings),
         seed=request.seed if request.HasField("seed") else None,
         processing=processing,
         num_beams=num_beams,
         length_penalty=length_penalty,
-        early_stopping=early[request.early_stopping.lower()],
+        early_stopping=early_stopping,
         num_return_sequences=num_return,
         num_speculative_tokens=gamma,
         draft_confidence_threshold=threshold,

@@ -33,11 +33,16 @@ def _sequences_pb(decoder: Decoder, sequences: list[BeamSequence]) -> list[orche
     ]
 
 
+def finish_reason_pb(name: str) -> orchestrator_pb2.FinishReason:
+    """"eos" → FINISH_REASON_EOS, …; "" (not finished) → FINISH_REASON_UNSPECIFIED."""
+    return orchestrator_pb2.FinishReason.Value(f"FINISH_REASON_{name.upper()}" if name else "FINISH_REASON_UNSPECIFIED")
+
+
 def result_to_pb(decoder: Decoder, result: Result) -> orchestrator_pb2.GenerateResponse:
     return orchestrator_pb2.GenerateResponse(
         token_ids=result.token_ids,
         text=result.text,
-        finish_reason=result.finish_reason,
+        finish_reason=finish_reason_pb(result.finish_reason),
         sequences=_sequences_pb(decoder, result.sequences),
         stats=result.stats.to_pb(),
     )
@@ -47,7 +52,7 @@ def delta_to_pb(decoder: Decoder, delta: Delta) -> orchestrator_pb2.GenerateDelt
     message = orchestrator_pb2.GenerateDelta(
         token_ids=delta.token_ids,
         text=delta.text,
-        finish_reason=delta.finish_reason,
+        finish_reason=finish_reason_pb(delta.finish_reason),
         sequences=_sequences_pb(decoder, delta.sequences),
     )
     if delta.stats is not None:

@@ -17,7 +17,7 @@ def specwire(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_generate_json_has_tokens_text_reason_and_stats(llama_stack: Stack) -> None:
-    run = specwire("generate", "--address", llama_stack.address, "--prompt-ids", "5,6,7", "--max-new-tokens", "6",
+    run = specwire("generate", "--address", llama_stack.address, "--input-ids", "5,6,7", "--max-new-tokens", "6",
                    "--ignore-eos", "--json")
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)

@@ -15,6 +15,7 @@ import grpc
 import pytest
 import torch
 from specwire.client import Client, GenerationError
+from specwire.client.sdk import build_request
 from specwire.orchestrator.context import DecodeContext
 from specwire.orchestrator.contrastive import (
     WirePlan,
@@ -27,7 +28,6 @@ from specwire.orchestrator.contrastive import (
     plausible,
     sample_column,
 )
-from specwire.v1 import orchestrator_pb2
 from transformers import LogitsProcessor, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from specwire import wire
@@ -213,7 +213,7 @@ def test_greedy_over_grpc_equals_the_in_process_formula(llama_stack: Stack, expe
     differs = 0
     for prompt in PROMPTS:
         prompt_ids = tokenizer(prompt).input_ids
-        result = client.generate(prompt_ids=prompt_ids, strategy="contrastive", max_new_tokens=20, ignore_eos=True, **cd)
+        result = client.generate(input_ids=prompt_ids, strategy="contrastive", max_new_tokens=20, ignore_eos=True, **cd)
         expected, reference = reference_generate(experts, prompt_ids, cd, max_new_tokens=20, eos_token_id=None)
         assert result.token_ids == expected[0, len(prompt_ids):].tolist()
         stats = result.stats
@@ -228,7 +228,7 @@ def test_greedy_stops_at_eos_like_the_reference(llama_stack: Stack, experts: tup
     client = Client(llama_stack.address)
     for prompt in PROMPTS:
         prompt_ids = tokenizer(prompt).input_ids
-        result = client.generate(prompt_ids=prompt_ids, strategy="contrastive", max_new_tokens=30, cd_beta=1.0)
+        result = client.generate(input_ids=prompt_ids, strategy="contrastive", max_new_tokens=30, cd_beta=1.0)
         expected, _ = reference_generate(experts, prompt_ids, {"cd_beta": 1.0}, max_new_tokens=30, eos_token_id=0)
         assert result.token_ids == expected[0, len(prompt_ids):].tolist()
         assert result.finish_reason == ("eos" if result.token_ids[-1] == 0 else "length")
@@ -252,7 +252,7 @@ def test_beam_over_grpc_equals_transformers_beam_search_over_the_formula(
     for prompt, ignore_eos in ((PROMPTS[0], True), (PROMPTS[1], False)):
         prompt_ids = tokenizer(prompt).input_ids
         result = client.generate(
-            prompt_ids=prompt_ids, strategy="contrastive", max_new_tokens=12, ignore_eos=ignore_eos, **beam
+            input_ids=prompt_ids, strategy="contrastive", max_new_tokens=12, ignore_eos=ignore_eos, **beam
         )
         expected, _ = reference_generate(
             experts, prompt_ids, cd, max_new_tokens=12, eos_token_id=None if ignore_eos else 0,
@@ -273,7 +273,7 @@ def test_beam_over_grpc_equals_transformers_beam_search_over_the_formula(
 def run_plan(stack: Stack, plan: WirePlan, **fields: Any) -> tuple[list[int], DecodeContext]:
     """The strategy straight on the stack's services with a given wire plan: (tokens, context)."""
     decoder = stack.orchestrator.decoder
-    request = orchestrator_pb2.GenerateRequest(strategy="contrastive", **fields)
+    request = build_request(strategy="contrastive", **fields)
     params, prompt_ids = decoder.prepare(request)
     ctx = DecodeContext(params, prompt_ids, decoder.target, decoder.draft, decoder.eos_token_ids, torch.Generator().manual_seed(0))
 
@@ -315,9 +315,9 @@ def test_seeded_contrastive_sampling_reproduces_and_stays_plausible(llama_stack:
     client = Client(llama_stack.address)
     prompt_ids = tokenizer("import os").input_ids
     kwargs: dict[str, Any] = {"strategy": "contrastive", "max_new_tokens": 16, "ignore_eos": True, "top_k": 3, "cd_alpha": 0.2}
-    first = client.generate(prompt_ids=prompt_ids, seed=3, **kwargs)
-    assert client.generate(prompt_ids=prompt_ids, seed=3, **kwargs).token_ids == first.token_ids
-    others = {tuple(client.generate(prompt_ids=prompt_ids, seed=s, **kwargs).token_ids) for s in (4, 5, 6)}
+    first = client.generate(input_ids=prompt_ids, seed=3, **kwargs)
+    assert client.generate(input_ids=prompt_ids, seed=3, **kwargs).token_ids == first.token_ids
+    others = {tuple(client.generate(input_ids=prompt_ids, seed=s, **kwargs).token_ids) for s in (4, 5, 6)}
     assert others != {tuple(first.token_ids)}
     reference = ContrastiveReference(*experts, form="obrien", alpha=0.2, beta=0.5, tau=1.0, beams=False)
     sequence = torch.tensor([prompt_ids])

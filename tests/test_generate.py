@@ -42,7 +42,7 @@ def test_greedy_equals_transformers(arch: tuple[Stack, Path], reference: Any, to
     stack, _ = arch
     prompt_ids = tokenizer(prompt).input_ids
     result = Client(stack.address).generate(
-        prompt_ids=prompt_ids, strategy="greedy", max_new_tokens=24, ignore_eos=True, **processors
+        input_ids=prompt_ids, strategy="greedy", max_new_tokens=24, ignore_eos=True, **processors
     )
     expected = hf_generate(reference, prompt_ids, max_new_tokens=24, do_sample=False, eos_token_id=None, **processors)
     assert result.token_ids == expected[0, len(prompt_ids):].tolist()
@@ -53,7 +53,7 @@ def test_greedy_stops_at_eos_like_transformers(arch: tuple[Stack, Path], referen
     stack, _ = arch
     for prompt in PROMPTS:
         prompt_ids = tokenizer(prompt).input_ids
-        result = Client(stack.address).generate(prompt_ids=prompt_ids, max_new_tokens=40)
+        result = Client(stack.address).generate(input_ids=prompt_ids, max_new_tokens=40)
         expected = hf_generate(reference, prompt_ids, max_new_tokens=40, do_sample=False, eos_token_id=0)[0, len(prompt_ids):]
         assert result.token_ids == expected.tolist()[: len(result.token_ids)]
         if result.finish_reason == "eos":
@@ -79,7 +79,7 @@ def test_beam_search_equals_transformers(arch: tuple[Stack, Path], reference: An
     client = Client(stack.address)
     for prompt in PROMPTS[:2]:
         prompt_ids = tokenizer(prompt).input_ids
-        result = client.generate(prompt_ids=prompt_ids, strategy="beam", max_new_tokens=16, ignore_eos=ignore_eos, **beam)
+        result = client.generate(input_ids=prompt_ids, strategy="beam", max_new_tokens=16, ignore_eos=ignore_eos, **beam)
         expected = hf_generate(
             reference, prompt_ids, max_new_tokens=16, do_sample=False, eos_token_id=None if ignore_eos else 0,
             output_scores=True, return_dict_in_generate=True, **beam,
@@ -138,7 +138,7 @@ def test_stop_string_ends_the_text_before_it(llama_stack: Stack) -> None:
     full = client.generate(prompt="def add(a, b):", max_new_tokens=30, ignore_eos=True)
     stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 2]
     assert stop
-    cut = client.generate(prompt="def add(a, b):", max_new_tokens=30, ignore_eos=True, stop=[stop])
+    cut = client.generate(prompt="def add(a, b):", max_new_tokens=30, ignore_eos=True, stop_strings=[stop])
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[: full.text.find(stop)]
     assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
@@ -148,7 +148,7 @@ def test_stop_string_ends_the_text_before_it(llama_stack: Stack) -> None:
 
 
 def test_stats_describe_the_request(llama_stack: Stack) -> None:
-    result = Client(llama_stack.address).generate(prompt_ids=[5, 6, 7], max_new_tokens=10, ignore_eos=True)
+    result = Client(llama_stack.address).generate(input_ids=[5, 6, 7], max_new_tokens=10, ignore_eos=True)
     s = result.stats
     # Rounds of 1, 2, 4 and the last 3 tokens (multi-step rounds double up to 8 per round).
     assert s.prompt_tokens == 3 and s.new_tokens == 10 and s.rounds == 4

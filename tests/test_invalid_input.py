@@ -8,12 +8,13 @@ from typing import Any
 import grpc
 import pytest
 from specwire.client import Client, GenerationError
+from specwire.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from tests.harness import Stack
 
 CASES: list[tuple[dict[str, Any], str]] = [
     ({"prompt": ""}, "prompt"),
-    ({"prompt": "x", "prompt_ids": [1]}, "prompt"),
+    ({"prompt": "x", "input_ids": [1]}, "prompt"),
     ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens"),
     ({"prompt": "x", "max_new_tokens": -3}, "max_new_tokens"),
     ({"prompt": "x", "max_new_tokens": 100_000}, "max_new_tokens"),
@@ -29,11 +30,13 @@ CASES: list[tuple[dict[str, Any], str]] = [
     ({"prompt": "x", "strategy": "beam", "num_beams": 2, "num_return_sequences": 3}, "num_return_sequences"),
     ({"prompt": "x", "strategy": "beam", "early_stopping": "sometimes"}, "early_stopping"),
     ({"prompt": "x", "strategy": "nucleus"}, "strategy"),
-    ({"prompt_ids": [1, 2, 10_000]}, "prompt_ids"),
-    ({"prompt_ids": [-1]}, "prompt_ids"),
-    ({"prompt_ids": [1] * 500, "max_new_tokens": 100}, "max_new_tokens"),  # over the 512-token context
+    ({"input_ids": [1, 2, 10_000]}, "input_ids"),
+    ({"input_ids": [-1]}, "input_ids"),
+    ({"input_ids": [1] * 500, "max_new_tokens": 100}, "max_new_tokens"),  # over the 512-token context
     ({"prompt": "x", "strategy": "speculative", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stop_strings": [""]}, "stop_strings"),
+    ({"prompt": "x", "stop_strings": ["a"] * 17}, "stop_strings"),
+    ({"prompt": "x", "strategy": "beam", "stop_strings": ["a"]}, "stop_strings"),
 ]
 
 
@@ -44,6 +47,18 @@ def test_bad_field_is_invalid_argument_naming_it(llama_stack: Stack, kwargs: dic
         client.generate(**kwargs)
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.message.startswith(f"{field}:"), caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [({"strategy": 99}, "strategy"), ({"early_stopping": 7}, "early_stopping"), ({"cd_form": 5}, "cd_form")],
+)
+def test_enum_numbers_this_build_does_not_know_are_invalid_argument(llama_stack: Stack, fields: dict[str, int], field: str) -> None:
+    # The SDK only sends names it knows; another client can send any number (proto3 enums are open).
+    with grpc.insecure_channel(llama_stack.address) as channel, pytest.raises(grpc.RpcError) as caught:
+        orchestrator_pb2_grpc.OrchestratorStub(channel).Generate(orchestrator_pb2.GenerateRequest(prompt="x", **fields))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith(f"{field}: unknown value"), caught.value.details()
 
 
 def test_bad_fields_on_the_stream_too(llama_stack: Stack) -> None:

@@ -116,7 +116,7 @@ def test_kv_cache_gauge_counts_the_tokens_an_open_session_holds(metered: tuple[O
     with Client(observed.stack.address, timeout=60) as client:
         stream = cast(
             Generator[StreamDelta, None, None],
-            client.stream(prompt_ids=[5, 6, 7, 8], strategy="greedy", max_new_tokens=50, ignore_eos=True),
+            client.stream(input_ids=[5, 6, 7, 8], strategy="greedy", max_new_tokens=50, ignore_eos=True),
         )
         next(stream)  # the first token is decided: the target's session is open
         during = scrape(urls["target"])

@@ -82,9 +82,9 @@ def test_eos_and_stop_strings_trim_a_round_like_target_greedy(self_draft_stack: 
     trimmed = 0
     for prompt in ["def add(a, b):", "import os", PROMPT]:
         for stop in [None, ["("], ["\n"], ["o"]]:
-            expected = client.generate(prompt, strategy="greedy", max_new_tokens=40, stop=stop)
+            expected = client.generate(prompt, strategy="greedy", max_new_tokens=40, stop_strings=stop)
             result = client.generate(
-                prompt, strategy="speculative", num_speculative_tokens=5, max_new_tokens=40, stop=stop
+                prompt, strategy="speculative", num_speculative_tokens=5, max_new_tokens=40, stop_strings=stop
             )
             assert (result.token_ids, result.text, result.finish_reason) == (
                 expected.token_ids,
@@ -120,7 +120,7 @@ def test_truncated_sampling_never_leaves_the_target_support(small_stack: Stack, 
     model: Any = hf_model(small_target_dir)
     for seed in range(3):
         result = client.generate(
-            prompt_ids=prompt_ids, strategy="speculative", top_k=3, seed=seed, max_new_tokens=24, ignore_eos=True
+            input_ids=prompt_ids, strategy="speculative", top_k=3, seed=seed, max_new_tokens=24, ignore_eos=True
         )
         assert result.stats.accepted_tokens > 0
         sequence = torch.tensor([prompt_ids + result.token_ids])
@@ -177,7 +177,7 @@ def test_a_seed_reproduces_a_sampled_generation(small_stack: Stack) -> None:
 
 
 def test_sessions_are_freed_after_each_generation(llama_stack: Stack) -> None:
-    Client(llama_stack.address).generate(PROMPT, strategy="speculative", max_new_tokens=5, stop=["("])
+    Client(llama_stack.address).generate(PROMPT, strategy="speculative", max_new_tokens=5, stop_strings=["("])
     servicers = (llama_stack.target.servicer, llama_stack.draft.servicer)
     llama_stack.loop.run(_until(lambda: all(s.active_sessions == 0 for s in servicers)))
 

@@ -10,16 +10,16 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScoreKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
-    SCORE_NONE: _ClassVar[ScoreKind]
-    SCORE_ARGMAX: _ClassVar[ScoreKind]
-    SCORE_PROBS: _ClassVar[ScoreKind]
-    SCORE_LOGPROBS: _ClassVar[ScoreKind]
-    SCORE_LOGITS: _ClassVar[ScoreKind]
-SCORE_NONE: ScoreKind
-SCORE_ARGMAX: ScoreKind
-SCORE_PROBS: ScoreKind
-SCORE_LOGPROBS: ScoreKind
-SCORE_LOGITS: ScoreKind
+    SCORE_KIND_UNSPECIFIED: _ClassVar[ScoreKind]
+    SCORE_KIND_ARGMAX: _ClassVar[ScoreKind]
+    SCORE_KIND_PROBS: _ClassVar[ScoreKind]
+    SCORE_KIND_LOGPROBS: _ClassVar[ScoreKind]
+    SCORE_KIND_LOGITS: _ClassVar[ScoreKind]
+SCORE_KIND_UNSPECIFIED: ScoreKind
+SCORE_KIND_ARGMAX: ScoreKind
+SCORE_KIND_PROBS: ScoreKind
+SCORE_KIND_LOGPROBS: ScoreKind
+SCORE_KIND_LOGITS: ScoreKind
 
 class InfoRequest(_message.Message):
     __slots__ = ()

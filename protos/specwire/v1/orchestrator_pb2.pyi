@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -6,14 +7,66 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Strategy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STRATEGY_UNSPECIFIED: _ClassVar[Strategy]
+    STRATEGY_GREEDY: _ClassVar[Strategy]
+    STRATEGY_SAMPLE: _ClassVar[Strategy]
+    STRATEGY_BEAM: _ClassVar[Strategy]
+    STRATEGY_SPECULATIVE: _ClassVar[Strategy]
+    STRATEGY_CONTRASTIVE: _ClassVar[Strategy]
+
+class EarlyStopping(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EARLY_STOPPING_UNSPECIFIED: _ClassVar[EarlyStopping]
+    EARLY_STOPPING_FALSE: _ClassVar[EarlyStopping]
+    EARLY_STOPPING_TRUE: _ClassVar[EarlyStopping]
+    EARLY_STOPPING_NEVER: _ClassVar[EarlyStopping]
+
+class ContrastiveForm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CONTRASTIVE_FORM_UNSPECIFIED: _ClassVar[ContrastiveForm]
+    CONTRASTIVE_FORM_OBRIEN: _ClassVar[ContrastiveForm]
+    CONTRASTIVE_FORM_LI: _ClassVar[ContrastiveForm]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_EOS: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+STRATEGY_UNSPECIFIED: Strategy
+STRATEGY_GREEDY: Strategy
+STRATEGY_SAMPLE: Strategy
+STRATEGY_BEAM: Strategy
+STRATEGY_SPECULATIVE: Strategy
+STRATEGY_CONTRASTIVE: Strategy
+EARLY_STOPPING_UNSPECIFIED: EarlyStopping
+EARLY_STOPPING_FALSE: EarlyStopping
+EARLY_STOPPING_TRUE: EarlyStopping
+EARLY_STOPPING_NEVER: EarlyStopping
+CONTRASTIVE_FORM_UNSPECIFIED: ContrastiveForm
+CONTRASTIVE_FORM_OBRIEN: ContrastiveForm
+CONTRASTIVE_FORM_LI: ContrastiveForm
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_EOS: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_STOP: FinishReason
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "strategy", "max_new_tokens", "ignore_eos", "stop", "seed", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "no_repeat_ngram_size", "num_beams", "length_penalty", "early_stopping", "num_return_sequences", "num_speculative_tokens", "draft_confidence_threshold", "cd_form", "cd_alpha", "cd_beta", "amateur_temperature")
+    __slots__ = ("prompt", "input_ids", "strategy", "max_new_tokens", "ignore_eos", "stop_strings", "seed", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "no_repeat_ngram_size", "num_beams", "length_penalty", "early_stopping", "num_return_sequences", "num_speculative_tokens", "draft_confidence_threshold", "cd_form", "cd_alpha", "cd_beta", "amateur_temperature")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
-    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -32,11 +85,11 @@ class GenerateRequest(_message.Message):
     CD_BETA_FIELD_NUMBER: _ClassVar[int]
     AMATEUR_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
-    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
-    strategy: str
+    input_ids: TokenIds
+    strategy: Strategy
     max_new_tokens: int
     ignore_eos: bool
-    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_strings: _containers.RepeatedScalarFieldContainer[str]
     seed: int
     temperature: float
     top_k: int
@@ -46,15 +99,15 @@ class GenerateRequest(_message.Message):
     no_repeat_ngram_size: int
     num_beams: int
     length_penalty: float
-    early_stopping: str
+    early_stopping: EarlyStopping
     num_return_sequences: int
     num_speculative_tokens: int
     draft_confidence_threshold: float
-    cd_form: str
+    cd_form: ContrastiveForm
     cd_alpha: float
     cd_beta: float
     amateur_temperature: float
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., strategy: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., no_repeat_ngram_size: _Optional[int] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[str] = ..., num_return_sequences: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., draft_confidence_threshold: _Optional[float] = ..., cd_form: _Optional[str] = ..., cd_alpha: _Optional[float] = ..., cd_beta: _Optional[float] = ..., amateur_temperature: _Optional[float] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., strategy: _Optional[_Union[Strategy, str]] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_strings: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., no_repeat_ngram_size: _Optional[int] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[EarlyStopping, str]] = ..., num_return_sequences: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., draft_confidence_threshold: _Optional[float] = ..., cd_form: _Optional[_Union[ContrastiveForm, str]] = ..., cd_alpha: _Optional[float] = ..., cd_beta: _Optional[float] = ..., amateur_temperature: _Optional[float] = ...) -> None: ...
 
 class Sequence(_message.Message):
     __slots__ = ("token_ids", "text", "score")
@@ -141,10 +194,10 @@ class GenerateResponse(_message.Message):
     STATS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     sequences: _containers.RepeatedCompositeFieldContainer[Sequence]
     stats: GenerationStats
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
 
 class GenerateDelta(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "sequences", "stats")
@@ -155,10 +208,10 @@ class GenerateDelta(_message.Message):
     STATS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     sequences: _containers.RepeatedCompositeFieldContainer[Sequence]
     stats: GenerationStats
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
 
 class OrchestratorInfoRequest(_message.Message):
     __slots__ = ()
