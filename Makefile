@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# buf (proto lint) from the npm registry, into an ignored local folder; skipped without npm.
+BUF := .tools/node_modules/.bin/buf
 
 .PHONY: install demo test lint protos bench clean
 
@@ -12,7 +14,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
+	# dev = the test tools plus the plots and otlp extras, so every test runs.
 	$(BIN)/pip install --quiet -e ".[dev]"
+	if command -v npm >/dev/null; then npm install --silent --prefix .tools @bufbuild/buf; fi
 	touch $(STAMP)
 
 demo: install
@@ -24,6 +28,7 @@ test: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy specwire orchestrator client draft_service target_service bench
+	$(BUF) lint
 
 protos: install
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos --grpc_python_out=protos protos/specwire/v1/*.proto
@@ -32,4 +37,4 @@ bench: install
 	$(BIN)/specwire bench --json
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .tools

@@ -39,6 +39,8 @@ from specwire.bench.bench import Sample, default_models, load_prompts, specwire_
 from specwire.client.launcher import Stack, StackConfig, free_base_port
 from specwire.orchestrator.speedup import alpha_estimate, best_gamma, time_per_token_ms
 
+from specwire.extras import require
+
 STRATEGIES = ("speculative", "greedy")
 
 
@@ -271,8 +273,7 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
 
 def plot(out_dir: Path, rows: list[dict[str, Any]], gamma_rows: list[dict[str, Any]]) -> list[Path]:
     """The three figures; returns their paths."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "plots", "specwire experiment")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -454,6 +455,7 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    require("matplotlib", "plots", "specwire experiment")  # before minutes of measuring, not after
     summary = run_experiment(config_from_args(args))
     print_summary(summary)
     return 0

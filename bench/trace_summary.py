@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from specwire.extras import require
+
 # (key, label): the parts of a round, in stacking order.
 PARTS: tuple[tuple[str, str], ...] = (
     ("draft", "draft compute"),
@@ -308,8 +310,7 @@ def format_summary(summary: Summary) -> str:
 
 def plot_rounds(summary: Summary, path: str | Path, max_rounds: int = 200) -> None:
     """Stacked bars: for each round index, the median of each part over the traces."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "plots", "specwire trace summarize --plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

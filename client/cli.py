@@ -78,6 +78,7 @@ def _telemetry_config(args: argparse.Namespace) -> Any:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specwire", description="LLM decoding as a gRPC draft/target service pair.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    parser.add_argument("--version", action="version", version=f"specwire {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run one service")

@@ -7,7 +7,7 @@ ParentBased(TraceIdRatioBased) sampler — the orchestrator's root span decides,
 follow the sampled flag they are sent — and one exporter:
 
 - `otlp`: OTLP over gRPC, configured by the standard `OTEL_EXPORTER_OTLP_*` variables
-  (`OTEL_EXPORTER_OTLP_ENDPOINT`, `…_HEADERS`, `…_TIMEOUT`, …);
+  (`OTEL_EXPORTER_OTLP_ENDPOINT`, `…_HEADERS`, `…_TIMEOUT`, …); needs `specwire[otlp]`;
 - `console`: spans as JSON on stdout;
 - `file`: JSON lines, one span per line in the SDK's own JSON form (`ReadableSpan.to_json`), for
   offline analysis with `specwire trace summarize`.
@@ -41,6 +41,8 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import Attributes
+
+from specwire.extras import require
 
 EXPORTERS = ("none", "otlp", "console", "file")
 SERVICE_ATTRIBUTE = "specwire.service"
@@ -110,9 +112,8 @@ class Tracing:
 def _exporter(kind: str, trace_file: str | Path | None) -> SpanExporter:
     if kind == "otlp":
         # Endpoint, headers, TLS and timeout come from the OTEL_EXPORTER_OTLP_* variables.
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        return OTLPSpanExporter()
+        otlp = require("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "otlp", "--trace-exporter otlp")
+        return otlp.OTLPSpanExporter()  # type: ignore[no-any-return]
     if kind == "console":
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
