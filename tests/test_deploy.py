@@ -73,5 +73,13 @@ def test_compose_wires_the_same_three_services() -> None:
 def test_dockerfile_pins_torch_before_the_project() -> None:
     lines = (DEPLOY / "Dockerfile").read_text().splitlines()
     torch_line = next(i for i, line in enumerate(lines) if "pip install torch==" in line)
-    project_line = next(i for i, line in enumerate(lines) if line.strip() == "RUN pip install .")
+    project_line = next(i for i, line in enumerate(lines) if line.strip() == 'RUN pip install ".[otlp]"')
     assert torch_line < project_line
+
+
+def test_dockerfile_copies_every_package_folder() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python ≥ 3.11
+    pyproject = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())
+    folders = {"specwire", *(path.split("/")[0] for path in pyproject["tool"]["setuptools"]["package-dir"].values())}
+    copied = {line.split()[1] for line in (DEPLOY / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")}
+    assert folders <= copied, f"not copied into the image: {sorted(folders - copied)}"
