@@ -35,6 +35,23 @@ def test_generate_beam_json_lists_sequences(llama_stack: Stack) -> None:
     assert out["sequences"][0]["score"] >= out["sequences"][1]["score"]
 
 
+def test_generate_stops_at_a_stop_string_given_by_flag(llama_stack: Stack) -> None:
+    free = json.loads(specwire("generate", "--address", llama_stack.address, "--input-ids", "5,6,7",
+                               "--max-new-tokens", "12", "--ignore-eos", "--json").stdout)
+    stop = free["text"][len(free["text"]) // 2:][:1]
+    assert stop, free
+    run = specwire("generate", "--address", llama_stack.address, "--input-ids", "5,6,7", "--max-new-tokens", "12",
+                   "--ignore-eos", "--stop-strings", stop, "--json")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["finish_reason"] == "stop" and out["text"] == free["text"][: free["text"].index(stop)]
+
+
+def test_unknown_strategy_is_refused_by_the_parser() -> None:
+    run = specwire("generate", "--prompt", "x", "--strategy", "nucleus")
+    assert run.returncode == 2 and "invalid choice: 'nucleus'" in run.stderr and "Traceback" not in run.stderr
+
+
 def test_generate_error_prints_status_and_message_without_traceback(llama_stack: Stack) -> None:
     run = specwire("generate", "--address", llama_stack.address, "--prompt", "x", "--top-p", "1.5")
     assert run.returncode != 0
