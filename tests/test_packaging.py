@@ -123,3 +123,26 @@ def test_wheel_holds_one_package_and_works_from_a_fresh_venv(tmp_path: Path) -> 
     assert imported.returncode == 0, imported.stderr
     for path in imported.stdout.split():
         assert Path(path).is_relative_to(venv), f"imported {path}, not the installed wheel"
+
+
+def test_every_field_and_enum_value_of_the_protos_is_commented(tmp_path: Path) -> None:
+    from google.protobuf import descriptor_pb2
+
+    out = tmp_path / "protos.pb"
+    protos = sorted(p.relative_to(ROOT / "protos").as_posix() for p in (ROOT / "protos").rglob("*.proto"))
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", "--include_source_info",
+                    f"--descriptor_set_out={out}", *protos], cwd=ROOT / "protos", check=True)
+    files = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file
+    uncommented = []
+    for proto in files:
+        commented = {tuple(loc.path) for loc in proto.source_code_info.location
+                     if loc.leading_comments.strip() or loc.trailing_comments.strip()}
+        for m, message in enumerate(proto.message_type):
+            for f, field in enumerate(message.field):  # path: message_type=4, field=2
+                if (4, m, 2, f) not in commented:
+                    uncommented.append(f"{proto.name}: {message.name}.{field.name}")
+        for e, enum in enumerate(proto.enum_type):
+            for v, value in enumerate(enum.value):  # path: enum_type=5, value=2
+                if (5, e, 2, v) not in commented:
+                    uncommented.append(f"{proto.name}: {enum.name}.{value.name}")
+    assert len(files) == 3 and not uncommented, uncommented
