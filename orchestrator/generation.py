@@ -32,7 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specwire import telemetry
 from specwire.engine import tokenizer_fingerprint
-from specwire.errors import FailedPrecondition, InvalidArgument, StatusError
+from specwire.errors import FailedPrecondition, InvalidArgument, StatusError, echo
 from specwire.metrics import OrchestratorMetrics
 from specwire.session import ModelInfo
 
@@ -114,13 +114,14 @@ class Decoder:
         return cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
     def prepare(self, request: orchestrator_pb2.GenerateRequest) -> tuple[GenerationParams, list[int]]:
-        request_params.check_prompt(request, self.limits.vocab_size)
-        prompt_ids = list(request.prompt_ids) or self.tokenizer(request.prompt).input_ids
+        request_params.check_prompt(request, self.limits)
+        prompt_ids = request_params.prompt_ids_of(request)
         if not prompt_ids:
-            raise InvalidArgument("prompt", "tokenizes to no tokens")
+            prompt_ids = self.tokenizer(request.prompt).input_ids
+            request_params.check_prompt_text(len(prompt_ids), self.limits)
         params = request_params.parse(request, len(prompt_ids), self.limits)
         if params.strategy not in STRATEGIES:
-            raise InvalidArgument("strategy", f"strategy {params.strategy!r} is not available on this orchestrator")
+            raise InvalidArgument("strategy", f"strategy {echo(params.strategy)} is not available on this orchestrator")
         return params, prompt_ids
 
     async def stream(

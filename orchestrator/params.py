@@ -11,13 +11,20 @@ from dataclasses import dataclass, field
 
 from specwire.v1 import orchestrator_pb2
 
-from specwire.errors import InvalidArgument, check_token_ids
+from specwire.errors import InvalidArgument, check_token_ids, echo
 from specwire.processing import ProcessingConfig
 
 STRATEGIES = ("greedy", "sample", "beam", "speculative", "contrastive")
 MAX_BEAMS = 32
 MAX_SPECULATIVE_TOKENS = 64
 MAX_STOP_STRINGS = 16
+# |length_penalty| bound: length^penalty stays far inside float64 for any context length.
+MAX_LENGTH_PENALTY = 20.0
+# Li et al.'s amateur temperature: below this the amateur's own scale swamps the contrast.
+MIN_AMATEUR_TEMPERATURE = 0.01
+# The request fields whose names the messages use (one place, for renames).
+PROMPT_FIELD, PROMPT_IDS_FIELD, STOP_FIELD = "prompt", "prompt_ids", "stop"
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
 
 
 @dataclass(frozen=True)
@@ -63,25 +70,49 @@ def _opt(request: orchestrator_pb2.GenerateRequest, name: str, default: float) -
     return getattr(request, name) if request.HasField(name) else default  # type: ignore[no-any-return]
 
 
-def check_prompt(request: orchestrator_pb2.GenerateRequest, vocab_size: int) -> None:
-    has_text, has_ids = bool(request.prompt), bool(request.prompt_ids)
+def prompt_ids_of(request: orchestrator_pb2.GenerateRequest) -> list[int]:
+    return list(getattr(request, PROMPT_IDS_FIELD))
+
+
+def stop_strings_of(request: orchestrator_pb2.GenerateRequest) -> tuple[str, ...]:
+    return tuple(getattr(request, STOP_FIELD))
+
+
+def check_prompt(request: orchestrator_pb2.GenerateRequest, limits: Limits) -> None:
+    """Exactly one of text and ids; ids in the vocabulary and no more than the context holds."""
+    ids = prompt_ids_of(request)
+    has_text, has_ids = bool(request.prompt), bool(ids)
     if has_text and has_ids:
-        raise InvalidArgument("prompt", "give either prompt or prompt_ids, not both")
+        raise InvalidArgument(PROMPT_FIELD, f"give either {PROMPT_FIELD} or {PROMPT_IDS_FIELD}, not both")
     if not has_text and not has_ids:
-        raise InvalidArgument("prompt", "must not be empty (give prompt or prompt_ids)")
-    check_token_ids(list(request.prompt_ids), vocab_size, "prompt_ids")
+        raise InvalidArgument(PROMPT_FIELD, f"must not be empty (give {PROMPT_FIELD} or {PROMPT_IDS_FIELD})")
+    if len(ids) >= limits.max_context:
+        raise InvalidArgument(
+            PROMPT_IDS_FIELD, f"{len(ids)} tokens leave no room in the model context of {limits.max_context}"
+        )
+    check_token_ids(ids, limits.vocab_size, PROMPT_IDS_FIELD)
+
+
+def check_prompt_text(prompt_len: int, limits: Limits) -> None:
+    """The tokenized text prompt must hold a token and leave room for at least one new token."""
+    if not prompt_len:
+        raise InvalidArgument(PROMPT_FIELD, "tokenizes to no tokens")
+    if prompt_len >= limits.max_context:
+        raise InvalidArgument(
+            PROMPT_FIELD, f"{prompt_len} tokens leave no room in the model context of {limits.max_context}"
+        )
 
 
 def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Limits) -> GenerationParams:
     """Validate every field against its bound; `prompt_len` is the tokenized prompt's length."""
     strategy = request.strategy or "greedy"
     if strategy not in STRATEGIES:
-        raise InvalidArgument("strategy", f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+        raise InvalidArgument("strategy", f"unknown strategy {echo(strategy)}; expected one of {', '.join(STRATEGIES)}")
 
     max_new = request.max_new_tokens if request.HasField("max_new_tokens") else limits.default_max_new_tokens
     if not 1 <= max_new <= limits.max_new_tokens:
         raise InvalidArgument("max_new_tokens", f"must be in [1, {limits.max_new_tokens}], got {max_new}")
-    if prompt_len + max_new > limits.max_context:
+    if prompt_len + max_new > limits.max_context:  # the prompt alone fits (check_prompt*)
         raise InvalidArgument(
             "max_new_tokens",
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new}) exceeds the model context of {limits.max_context}",
@@ -99,7 +130,7 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     min_p = _finite(_opt(request, "min_p", 0.0), "min_p")
     if not 0 <= min_p <= 1:
         raise InvalidArgument("min_p", f"must be in [0, 1], got {min_p}")
-    repetition_penalty = _finite(_opt(request, "repetition_penalty", 1.0), "repetition_penalty")
+    repetition_penalty = _finite(_opt(request, "repetition_penalty", 1.0), "repetition_penalty")  # > 0, any size
     if repetition_penalty <= 0:
         raise InvalidArgument("repetition_penalty", f"must be > 0, got {repetition_penalty}")
     ngram = int(_opt(request, "no_repeat_ngram_size", 0))
@@ -115,9 +146,13 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     if not 1 <= num_return <= num_beams:
         raise InvalidArgument("num_return_sequences", f"must be in [1, num_beams={num_beams}], got {num_return}")
     length_penalty = _finite(_opt(request, "length_penalty", 1.0), "length_penalty")
+    if not -MAX_LENGTH_PENALTY <= length_penalty <= MAX_LENGTH_PENALTY:
+        raise InvalidArgument(
+            "length_penalty", f"must be in [{-MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], got {length_penalty}"
+        )
     early: dict[str, bool | str] = {"": False, "false": False, "true": True, "never": "never"}
     if request.early_stopping.lower() not in early:
-        raise InvalidArgument("early_stopping", f"must be 'false', 'true' or 'never', got {request.early_stopping!r}")
+        raise InvalidArgument("early_stopping", f"must be 'false', 'true' or 'never', got {echo(request.early_stopping)}")
 
     gamma = int(_opt(request, "num_speculative_tokens", 4))
     if not 1 <= gamma <= MAX_SPECULATIVE_TOKENS:
@@ -128,7 +163,7 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
 
     cd_form = request.cd_form or "obrien"
     if cd_form not in ("obrien", "li"):
-        raise InvalidArgument("cd_form", f"must be 'obrien' or 'li', got {cd_form!r}")
+        raise InvalidArgument("cd_form", f"must be 'obrien' or 'li', got {echo(cd_form)}")
     cd_alpha = _finite(_opt(request, "cd_alpha", 0.1), "cd_alpha")
     if not 0 < cd_alpha <= 1:
         raise InvalidArgument("cd_alpha", f"must be in (0, 1], got {cd_alpha}")
@@ -136,20 +171,21 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     if cd_beta < 0:
         raise InvalidArgument("cd_beta", f"must be ≥ 0, got {cd_beta}")
     amateur_t = _finite(_opt(request, "amateur_temperature", 1.0), "amateur_temperature")
-    if amateur_t <= 0:
-        raise InvalidArgument("amateur_temperature", f"must be > 0, got {amateur_t}")
+    if amateur_t < MIN_AMATEUR_TEMPERATURE:
+        raise InvalidArgument("amateur_temperature", f"must be ≥ {MIN_AMATEUR_TEMPERATURE}, got {amateur_t}")
 
-    if len(request.stop) > MAX_STOP_STRINGS or any(not s for s in request.stop):
-        raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
-    if request.stop and num_beams > 1:
-        raise InvalidArgument("stop", "stop strings are not supported with beam search (num_beams > 1)")
+    stop = stop_strings_of(request)
+    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+        raise InvalidArgument(STOP_FIELD, f"at most {MAX_STOP_STRINGS} non-empty strings")
+    if stop and num_beams > 1:
+        raise InvalidArgument(STOP_FIELD, "stop strings are not supported with beam search (num_beams > 1)")
 
-    sampling_fields = ("temperature", "top_k", "top_p", "min_p")
-    sampling_asked = strategy == "sample" or (
-        strategy in ("speculative", "contrastive") and any(request.HasField(name) for name in sampling_fields)
-    )
-    if strategy == "beam" and any(request.HasField(name) for name in sampling_fields):
-        raise InvalidArgument("temperature", "beam search here is deterministic; sampling warpers do not apply")
+    warpers_set = [name for name in SAMPLING_FIELDS if request.HasField(name)]
+    sampling_asked = strategy == "sample" or (strategy in ("speculative", "contrastive") and bool(warpers_set))
+    if strategy == "beam" and warpers_set:
+        raise InvalidArgument(warpers_set[0], "beam search here is deterministic; sampling warpers do not apply")
+    if strategy == "contrastive" and num_beams > 1 and sampling_asked and temperature > 0:
+        raise InvalidArgument(warpers_set[0], "contrastive beam search is deterministic; sampling warpers do not apply")
     processing = ProcessingConfig(
         repetition_penalty=repetition_penalty,
         no_repeat_ngram_size=ngram,
@@ -162,7 +198,7 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
         strategy=strategy,
         max_new_tokens=max_new,
         ignore_eos=request.ignore_eos,
-        stop=tuple(request.stop),
+        stop=stop,
         seed=request.seed if request.HasField("seed") else None,
         processing=processing,
         num_beams=num_beams,

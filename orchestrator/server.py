@@ -17,7 +17,7 @@ from specwire.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from specwire import serving, telemetry
 from specwire.config import OrchestratorConfig
 from specwire.engine import load_tokenizer
-from specwire.errors import FailedPrecondition, StatusError
+from specwire.errors import FailedPrecondition, StatusError, capped
 from specwire.metrics import OrchestratorMetrics, serve_metrics
 
 log = logging.getLogger("specwire")
@@ -69,7 +69,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             await context.abort(error.code, error.message)
         except Exception as error:  # a bug must not take the server down: report it as INTERNAL
             log.exception("Generate failed")
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+            await context.abort(grpc.StatusCode.INTERNAL, capped(f"{type(error).__name__}: {error}"))
         return result_to_pb(self.decoder, result)
 
     async def GenerateStream(
@@ -83,7 +83,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             await context.abort(error.code, error.message)
         except Exception as error:
             log.exception("GenerateStream failed")
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+            await context.abort(grpc.StatusCode.INTERNAL, capped(f"{type(error).__name__}: {error}"))
 
     async def Info(
         self, request: orchestrator_pb2.OrchestratorInfoRequest, context: grpc.aio.ServicerContext

@@ -34,6 +34,19 @@ CASES: list[tuple[dict[str, Any], str]] = [
     ({"prompt_ids": [1] * 500, "max_new_tokens": 100}, "max_new_tokens"),  # over the 512-token context
     ({"prompt": "x", "strategy": "speculative", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "strategy": "beam", "length_penalty": 400.0}, "length_penalty"),
+    ({"prompt": "x", "strategy": "contrastive", "cd_form": "li", "amateur_temperature": 1e-45}, "amateur_temperature"),
+    # A sampling warper with beams is blamed on the warper that was set.
+    ({"prompt": "x", "strategy": "beam", "top_p": 0.5}, "top_p"),
+    ({"prompt": "x", "strategy": "beam", "top_k": 5}, "top_k"),
+    ({"prompt": "x", "strategy": "beam", "min_p": 0.1}, "min_p"),
+    ({"prompt": "x", "strategy": "contrastive", "num_beams": 2, "top_k": 5}, "top_k"),
+    # Long values are echoed cut short, so the status fits its metadata.
+    ({"prompt": "x", "strategy": "x" * 100_000}, "strategy"),
+    ({"prompt": "x", "strategy": "contrastive", "cd_form": "x" * 100_000}, "cd_form"),
+    ({"prompt": "x", "strategy": "beam", "early_stopping": "x" * 100_000}, "early_stopping"),
+    ({"prompt": "a" * 1_000_000}, "prompt"),
+    ({"prompt_ids": [1] * 512}, "prompt_ids"),
 ]
 
 
@@ -44,6 +57,7 @@ def test_bad_field_is_invalid_argument_naming_it(llama_stack: Stack, kwargs: dic
         client.generate(**kwargs)
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.message.startswith(f"{field}:"), caught.value.message
+    assert len(caught.value.message) < 300
 
 
 def test_bad_fields_on_the_stream_too(llama_stack: Stack) -> None:
