@@ -18,6 +18,7 @@ STRATEGIES = ("greedy", "sample", "beam", "speculative", "contrastive")
 MAX_BEAMS = 32
 MAX_SPECULATIVE_TOKENS = 64
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # per stop string
 # |length_penalty| bound: length^penalty stays far inside float64 for any context length.
 MAX_LENGTH_PENALTY = 20.0
 # Li et al.'s amateur temperature: below this the amateur's own scale swamps the contrast.
@@ -175,8 +176,10 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
         raise InvalidArgument("amateur_temperature", f"must be ≥ {MIN_AMATEUR_TEMPERATURE}, got {amateur_t}")
 
     stop = stop_strings_of(request)
-    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-        raise InvalidArgument(STOP_FIELD, f"at most {MAX_STOP_STRINGS} non-empty strings")
+    if len(stop) > MAX_STOP_STRINGS or any(not 1 <= len(s) <= MAX_STOP_CHARS for s in stop):
+        raise InvalidArgument(
+            STOP_FIELD, f"at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_CHARS} characters each"
+        )
     if stop and num_beams > 1:
         raise InvalidArgument(STOP_FIELD, "stop strings are not supported with beam search (num_beams > 1)")
 
