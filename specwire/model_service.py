@@ -155,7 +155,8 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
                 telemetry.record_error(span, error)
                 span.end()
             if self.metrics is not None:
-                self.metrics.message_failed(kind)
+                cancelled = isinstance(error, asyncio.CancelledError)
+                self.metrics.message_failed(kind, "cancelled" if cancelled else "error")
             raise
         timing = reply.timing
         if span is not None:

@@ -103,3 +103,31 @@ def test_other_sessions_go_on_while_one_fails(llama_stack: Stack) -> None:
         client.generate(prompt="x", top_p=7.0)
     rest = [t for d in running for t in d.token_ids]
     assert len(first.token_ids) + len(rest) == 30
+
+
+MALFORMED = b"\x0a\xff\xff\xff\xff"  # field 1, length-delimited, with a length past the end
+
+
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream", "Info"])
+def test_malformed_request_bytes_are_invalid_argument(llama_stack: Stack, method: str) -> None:
+    with grpc.insecure_channel(llama_stack.address) as channel:
+        path = f"/specwire.v1.Orchestrator/{method}"
+        if method == "GenerateStream":
+            call: Any = channel.unary_stream(path)
+            with pytest.raises(grpc.RpcError) as caught:
+                list(call(MALFORMED, timeout=10))
+        else:
+            with pytest.raises(grpc.RpcError) as caught:
+                channel.unary_unary(path)(MALFORMED, timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+    assert caught.value.details().startswith("request: malformed")
+    assert len(Client(llama_stack.address).generate(prompt="def", max_new_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_malformed_session_message_is_invalid_argument(llama_stack: Stack) -> None:
+    with grpc.insecure_channel(llama_stack.target.address) as channel:
+        session: Any = channel.stream_stream("/specwire.v1.ModelService/Session")
+        with pytest.raises(grpc.RpcError) as caught:
+            list(session(iter([MALFORMED]), timeout=10))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+    wait_for_no_sessions(llama_stack)
