@@ -7,6 +7,7 @@ any session is opened.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 
 from specwire.v1 import orchestrator_pb2
@@ -59,6 +60,10 @@ class GenerationParams:
     # Tokens are drawn at random (else argmax): strategy "sample", or speculative / contrastive
     # with a sampling warper set; temperature 0 always means argmax.
     do_sample: bool = False
+
+
+def _as_float32(value: float) -> float:
+    return float(struct.unpack("f", struct.pack("f", value))[0])
 
 
 def _finite(value: float, name: str) -> float:
@@ -172,7 +177,7 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     if cd_beta < 0:
         raise InvalidArgument("cd_beta", f"must be ≥ 0, got {cd_beta}")
     amateur_t = _finite(_opt(request, "amateur_temperature", 1.0), "amateur_temperature")
-    if amateur_t < MIN_AMATEUR_TEMPERATURE:
+    if amateur_t < _as_float32(MIN_AMATEUR_TEMPERATURE):  # the field is a float: 0.01 arrives rounded
         raise InvalidArgument("amateur_temperature", f"must be ≥ {MIN_AMATEUR_TEMPERATURE}, got {amateur_t}")
 
     stop = stop_strings_of(request)
