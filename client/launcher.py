@@ -202,7 +202,7 @@ class Stack:
             if history.due is None:
                 history.delay_s = min(MAX_RESTART_DELAY_S, 2 * history.delay_s) if history.delay_s else RESTART_DELAY_S
                 history.due = now + history.delay_s
-                log(f"{role} exited with code {process.returncode}; restarting in {history.delay_s:.0f} s")
+                log(f"{role} exited with code {process.returncode}; restarting in {history.delay_s:g} s")
             elif now >= history.due:
                 history.due = None
                 self._spawn(role, history.command, self._log_dir, history.ready_label)

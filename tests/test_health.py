@@ -189,3 +189,21 @@ def test_up_restarts_a_killed_draft_while_target_only_requests_keep_succeeding(
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_supervise_restarts_a_crashing_child_with_doubling_back_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specwire.client import launcher
+
+    monkeypatch.setattr(launcher, "RESTART_DELAY_S", 0.05)
+    stack = launcher.Stack(launcher.StackConfig())
+    stack._spawn("crasher", [sys.executable, "-c", "import sys; sys.exit(3)"], None)
+    lines: list[str] = []
+    deadline = time.monotonic() + 30
+    while sum(line.startswith("crasher restarted") for line in lines) < 3:
+        stack.supervise(lines.append)
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.01)
+    stack.stop()
+    waits = [float(line.split("restarting in ")[1].split()[0]) for line in lines if "restarting in" in line]
+    assert all(line.startswith("crasher exited with code 3") for line in lines if "exited" in line)
+    assert waits[:3] == [0.05, 0.1, 0.2]  # doubling while it keeps crashing
