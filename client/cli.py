@@ -257,13 +257,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"traces        {Path(args.trace_dir).resolve()}/{{orchestrator,draft,target}}.jsonl")
     if args.metrics_port:
         print(f"metrics       http://{c.host}:{args.metrics_port}/metrics (draft +1, target +2)")
-    print("Ctrl-C stops all three.", flush=True)
+    print("Ctrl-C stops all three; a child that exits is restarted.", flush=True)
     try:
         while not stopping["signal"]:
-            dead = stack.dead()
-            if dead:
-                print(f"{dead} service exited; stopping the others", file=sys.stderr)
-                return 1
+            stack.supervise()
             time.sleep(0.2)
     finally:
         stack.stop()

@@ -2,6 +2,11 @@
 
 Each child prints `READY <role> <host>:<port>` once it reports SERVING; the launcher waits for
 all three, and stops them all (SIGTERM, then SIGKILL after a grace period) on exit.
+
+`Stack.supervise`, called periodically (`specwire up` does), restarts a child that exited, after
+a back-off that doubles with each crash in a row (1 s up to 30 s; reset once a child has stayed
+up for a minute), with a log line each time. The others keep serving meanwhile: the orchestrator
+follows the services' health (`specwire.orchestrator.health`) and serves what it still can.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,15 +94,34 @@ def _serve_command(role: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "specwire", "serve", role, *args]
 
 
+RESTART_DELAY_S = 1.0
+MAX_RESTART_DELAY_S = 30.0
+STABLE_AFTER_S = 60.0  # a child up this long has its back-off reset
+
+
+@dataclass
+class Restarts:
+    """One child's crash history, for the back-off."""
+
+    command: list[str]
+    ready_label: str | None
+    started: float = 0.0
+    delay_s: float = 0.0  # the back-off the next crash waits; 0 = none yet
+    due: float | None = None  # when a pending restart happens
+
+
 @dataclass
 class Stack:
     config: StackConfig
     processes: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
     _ready: dict[str, threading.Event] = field(default_factory=dict)
+    _restarts: dict[str, Restarts] = field(default_factory=dict)
+    _log_dir: Path | None = None
 
     def start(self, timeout: float = 600.0, log_dir: Path | None = None) -> None:
         """Start draft and target, then the orchestrator; wait until all report READY."""
         c = self.config
+        self._log_dir = log_dir
         model_args = ["--device", c.device, "--dtype", c.dtype, "--host", c.host]
         target_args = [*model_args, "--port", str(c.target_port), *c.extra_target_args]
         if c.target_model:
@@ -134,8 +159,12 @@ class Stack:
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
         )
         self.processes[role] = process
+        restarted = role in self._restarts
+        history = self._restarts.setdefault(role, Restarts(command, ready_label))
+        history.started = time.monotonic()
         ready = self._ready[role] = threading.Event()
-        log_file = open(log_dir / f"{role}.log", "w") if log_dir else None  # noqa: SIM115 - lives with the thread
+        mode = "a" if restarted else "w"
+        log_file = open(log_dir / f"{role}.log", mode) if log_dir else None  # noqa: SIM115 - lives with the thread
 
         def pump() -> None:
             assert process.stdout is not None
@@ -160,6 +189,24 @@ class Stack:
                 if time.monotonic() > deadline:
                     self.stop()
                     raise TimeoutError(f"{role} service was not ready within {timeout:.0f}s")
+
+    def supervise(self, log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)) -> None:
+        """Restart children that exited, each after its back-off; call this every fraction of a second."""
+        now = time.monotonic()
+        for role, process in list(self.processes.items()):
+            history = self._restarts[role]
+            if process.poll() is None:
+                if history.delay_s and now - history.started > STABLE_AFTER_S:
+                    history.delay_s = 0.0
+                continue
+            if history.due is None:
+                history.delay_s = min(MAX_RESTART_DELAY_S, 2 * history.delay_s) if history.delay_s else RESTART_DELAY_S
+                history.due = now + history.delay_s
+                log(f"{role} exited with code {process.returncode}; restarting in {history.delay_s:g} s")
+            elif now >= history.due:
+                history.due = None
+                self._spawn(role, history.command, self._log_dir, history.ready_label)
+                log(f"{role} restarted (pid {self.processes[role].pid})")
 
     def dead(self) -> str | None:
         """The role of a child that has exited, if any."""

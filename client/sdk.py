@@ -25,6 +25,7 @@ from opentelemetry.trace import Span, SpanKind
 from specwire.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from specwire import telemetry
+from specwire.errors import echo
 from specwire.serving import CHANNEL_OPTIONS
 
 _STATS_FIELDS = orchestrator_pb2.GenerationStats.DESCRIPTOR.fields
@@ -130,7 +131,7 @@ def _enum_number(field_name: str, value: str | bool) -> int:
     name = str(value).lower()  # early_stopping: True / False / "never"
     if name not in enum_names(field_name):
         expected = ", ".join(enum_names(field_name))
-        raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, f"{field_name}: unknown value {value!r}; expected one of {expected}")
+        raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, f"{field_name}: unknown value {echo(value)}; expected one of {expected}")
     return enum.Value(prefix + name.upper())
 
 

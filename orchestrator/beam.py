@@ -13,6 +13,11 @@ as in `GenerationMixin._beam_search`:
 - `early_stopping`: True stops once num_beams hypotheses exist; False stops when the best
   running beam at its current length cannot beat the worst hypothesis; "never" (with
   length_penalty > 0) assumes the running beam could reach max length.
+
+Masks are −inf (transformers uses −1e9, which a strongly negative length penalty can undercut),
+applied with `torch.where`, and hypothesis scores are float64, so |length_penalty| up to the
+request bound (`params.MAX_LENGTH_PENALTY`) neither overflows nor lets a mask win: a request
+gets back only hypotheses that really finished.
 """
 
 from __future__ import annotations
@@ -25,7 +30,12 @@ from specwire.orchestrator.context import BeamSequence, DecodeContext
 
 from specwire.session import OpenRequest, ScoreKind, Scores, Scoring, StepRequest
 
-MASKED = -1.0e9  # transformers' stand-in for -inf in beam scores
+MASKED = float("-inf")
+
+
+def length_normalized(sum_logprobs: torch.Tensor, length: int, length_penalty: float) -> torch.Tensor:
+    """sum log p / length^length_penalty (transformers' BeamHypotheses), in float64. [n] → [n]."""
+    return sum_logprobs.double() / torch.tensor(float(length), dtype=torch.float64).pow(length_penalty)
 
 
 @dataclass
@@ -59,7 +69,7 @@ class BeamState:
             early_stopping=early_stopping,
             running_scores=running,
             running_tokens=torch.empty((num_beams, 0), dtype=torch.long),
-            finished_scores=torch.full((num_beams,), MASKED, dtype=torch.float32),
+            finished_scores=torch.full((num_beams,), MASKED, dtype=torch.float64),
             finished_tokens=[[] for _ in range(num_beams)],
             finished_flags=torch.zeros(num_beams, dtype=torch.bool),
         )
@@ -77,13 +87,10 @@ def beam_step(state: BeamState, cand_ids: torch.Tensor, cand_logprobs: torch.Ten
     hits = torch.tensor([int(t) in eos_ids for t in tokens]) | (length >= state.max_new_tokens)
 
     # Hypotheses: only candidates ranked < num_beams that just stopped.
-    hypothesis = top_scores / (length**state.length_penalty)
-    if bool(state.finished_flags.all()) and state.early_stopping is True:
-        hypothesis = hypothesis + MASKED
-    if not state.improvable:
-        hypothesis = hypothesis + MASKED
-    just_finished = hits & (torch.arange(keep) < nb)
-    hypothesis = hypothesis + (~just_finished).float() * MASKED
+    just_finished = hits & (torch.arange(keep) < nb) & torch.isfinite(top_scores)
+    if bool(state.finished_flags.all()) and state.early_stopping is True or not state.improvable:
+        just_finished = torch.zeros_like(just_finished)
+    hypothesis = torch.where(just_finished, length_normalized(top_scores, length, state.length_penalty), MASKED)
     merged_scores = torch.cat([state.finished_scores, hypothesis])
     best = torch.topk(merged_scores, nb).indices.tolist()
     merged_flags = torch.cat([state.finished_flags, just_finished])
@@ -94,7 +101,7 @@ def beam_step(state: BeamState, cand_ids: torch.Tensor, cand_logprobs: torch.Ten
     state.finished_flags = merged_flags[best]
 
     # Running beams: the best candidates that did not stop.
-    running = top_scores + hits.float() * MASKED
+    running = torch.where(hits, MASKED, top_scores)
     chosen = torch.topk(running, nb).indices
     state.running_scores = running[chosen]
     state.running_tokens = candidate_tokens[chosen]
@@ -107,9 +114,10 @@ def beam_step(state: BeamState, cand_ids: torch.Tensor, cand_logprobs: torch.Ten
         best_length = state.max_new_tokens
     else:
         best_length = state.generated
-    best_possible = state.running_scores[0] / (best_length**state.length_penalty)
-    worst = torch.where(state.finished_flags, state.finished_scores.min(), torch.tensor(MASKED))
-    state.improvable = state.improvable and bool((best_possible > worst).any())
+    best_possible = length_normalized(state.running_scores[:1], best_length, state.length_penalty)[0]
+    worst = state.finished_scores.min() if bool(state.finished_flags.all()) else torch.tensor(MASKED)
+    alive = bool(torch.isfinite(state.running_scores[0]))
+    state.improvable = state.improvable and alive and bool(best_possible > worst)
     all_full = bool(state.finished_flags.all()) and state.early_stopping is True
     state.done = not state.improvable or all_full or bool(hits.all())
 
@@ -134,11 +142,19 @@ def start_beams(ctx: DecodeContext) -> tuple[BeamState, frozenset[int]]:
 
 
 def finish_beams(ctx: DecodeContext, state: BeamState) -> list[int]:
-    """Leave the best `num_return_sequences` hypotheses in `ctx.sequences`; the best one's tokens."""
+    """Leave the best `num_return_sequences` finished hypotheses in `ctx.sequences`, best first;
+    return the best one's tokens. Scores are clamped to float32's range (the wire's type)."""
+    lowest = -torch.finfo(torch.float32).max
     ranked = [
-        BeamSequence(tokens, float(score))
-        for tokens, score in zip(state.finished_tokens, state.finished_scores.tolist(), strict=True)
+        BeamSequence(tokens, max(lowest, float(score)))
+        for tokens, score, finished in zip(
+            state.finished_tokens, state.finished_scores.tolist(), state.finished_flags.tolist(), strict=True
+        )
+        if finished
     ]
+    if not ranked:  # no candidate ever had a finite score: the best running beam stands in
+        score = length_normalized(state.running_scores[:1], max(1, state.generated), state.length_penalty)
+        ranked = [BeamSequence(state.running_tokens[0].tolist(), max(lowest, float(score[0])))]
     ctx.sequences = ranked[: ctx.params.num_return_sequences]
     return ctx.sequences[0].token_ids
 

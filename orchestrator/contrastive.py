@@ -44,8 +44,9 @@ from specwire.orchestrator.beam import beam_step, finish_beams, start_beams
 from specwire.orchestrator.context import DecodeContext
 from specwire.orchestrator.params import GenerationParams
 
-from specwire.errors import FailedPrecondition, InvalidArgument
-from specwire.processing import NEG_INF, ProcessingConfig, apply_warpers
+from specwire.errors import FailedPrecondition
+from specwire.processing import NEG_INF, ProcessingConfig, apply_warpers, overflow_limit
+from specwire.processing import temperature as scale
 from specwire.session import ModelSession, OpenRequest, ScoreKind, Scores, Scoring, StepRequest
 
 # --- the decision: pure functions over [rows, n] score columns ------------------------------
@@ -64,15 +65,18 @@ def plausible(expert_logits: torch.Tensor, alpha: float) -> torch.Tensor:
 def obrien_scores(expert_logits: torch.Tensor, amateur_logits: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
     """O'Brien & Lewis 2023: (1 + β) · s_e(x) − β · s_a(x) for x in V_valid, −inf elsewhere.
 
+    Computed as s_e + β · (s_e − s_a), which has no ∞ − ∞; where a huge β overflows, the row
+    takes its limit (`overflow_limit`: the largest s_e − s_a wins).
     expert_logits, amateur_logits: [rows, n] on the same columns. Returns [rows, n].
     """
-    contrast = (1 + beta) * expert_logits - beta * amateur_logits  # [rows, n]
-    return contrast.masked_fill(~plausible(expert_logits, alpha), NEG_INF)
+    contrast = expert_logits + beta * (expert_logits - amateur_logits)  # [rows, n]
+    return overflow_limit(contrast.masked_fill(~plausible(expert_logits, alpha), NEG_INF))
 
 
 def log_partition(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log Z_T = log Σ_w exp(s(w) / T) per row. logits: [rows, vocab] → [rows, 1]."""
-    return torch.logsumexp(logits.float() / temperature, dim=-1, keepdim=True)
+    """log Z_T = log Σ_w exp(s(w) / T) per row, of the scaled scores `processing.temperature`
+    gives (shifted by the row's maximum where s / T would overflow). logits: [rows, vocab] → [rows, 1]."""
+    return torch.logsumexp(scale(logits.float(), temperature), dim=-1, keepdim=True)
 
 
 def li_scores(
@@ -89,8 +93,8 @@ def li_scores(
     Logits: [rows, n] on the same columns; log Z: [rows, 1]. Zeros for the log Z shift each row
     by a constant, which leaves its argmax and its softmax (greedy, sampling) unchanged.
     """
-    contrast = (expert_logits - expert_log_z) - (amateur_logits / tau - amateur_log_z)  # [rows, n]
-    return contrast.masked_fill(~plausible(expert_logits, alpha), NEG_INF)
+    contrast = (expert_logits - expert_log_z) - (scale(amateur_logits, tau) - amateur_log_z)  # [rows, n]
+    return overflow_limit(contrast.masked_fill(~plausible(expert_logits, alpha), NEG_INF))
 
 
 def beam_logscores(form: str, scores: torch.Tensor) -> torch.Tensor:
@@ -245,8 +249,6 @@ def _check(ctx: DecodeContext) -> None:
         raise FailedPrecondition("strategy 'contrastive' needs a draft service as the amateur; none is configured")
     if "ngram" in ctx.draft.info.capabilities:
         raise FailedPrecondition("strategy 'contrastive' needs a model as the amateur; the draft service is an n-gram drafter")
-    if ctx.params.num_beams > 1 and ctx.params.do_sample:
-        raise InvalidArgument("temperature", "contrastive beam search is deterministic; sampling warpers do not apply")
 
 
 def _record(ctx: DecodeContext, valid_set_size: int, differs: bool) -> None:

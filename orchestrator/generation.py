@@ -21,6 +21,7 @@ from specwire.orchestrator import params as request_params
 from specwire.orchestrator.beam import beam_search
 from specwire.orchestrator.context import BeamSequence, DecodeContext
 from specwire.orchestrator.contrastive import contrastive
+from specwire.orchestrator.health import DRAFT_STRATEGIES, ServiceStates
 from specwire.orchestrator.models import ModelHandle
 from specwire.orchestrator.output import Output
 from specwire.orchestrator.params import GenerationParams, Limits
@@ -32,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specwire import telemetry
 from specwire.engine import tokenizer_fingerprint
-from specwire.errors import FailedPrecondition, InvalidArgument, StatusError
+from specwire.errors import FailedPrecondition, InvalidArgument, StatusError, Unavailable, echo
 from specwire.metrics import OrchestratorMetrics
 from specwire.session import ModelInfo
 
@@ -109,18 +110,43 @@ class Decoder:
             vocab_size=target.info.vocab_size,
         )
         self.eos_token_ids = frozenset(target.info.eos_token_ids)
+        # Kept current by the server's health watchers (`orchestrator.health`).
+        self.states = ServiceStates()
+
+    def available_strategies(self) -> list[str]:
+        """The strategies a request may ask for now: none while the target is down; those that
+        need the draft only while a (model) draft is up."""
+        if not self.states.target_up:
+            return []
+        draft_ok = self.draft is not None and self.states.draft_up
+        names = [name for name in STRATEGIES if draft_ok or name not in DRAFT_STRATEGIES]
+        if self.draft is not None and "ngram" in self.draft.info.capabilities:
+            names = [name for name in names if name != "contrastive"]
+        return sorted(names)
+
+    def _check_available(self, strategy: str) -> None:
+        if not self.states.target_up:
+            raise Unavailable(f"target: the target service ({_where(self.target)}) is unreachable or not serving")
+        if strategy in DRAFT_STRATEGIES and self.draft is not None and not self.states.draft_up:
+            others = ", ".join(name for name in sorted(STRATEGIES) if name not in DRAFT_STRATEGIES)
+            raise Unavailable(
+                f"draft: the draft service ({_where(self.draft)}) is unreachable or not serving; strategy "
+                f"{strategy!r} needs it (available now: {others})"
+            )
 
     def decode(self, token_ids: list[int]) -> str:
         return cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
     def prepare(self, request: orchestrator_pb2.GenerateRequest) -> tuple[GenerationParams, list[int]]:
-        request_params.check_prompt(request, self.limits.vocab_size)
-        prompt_ids = list(request.input_ids.ids) or self.tokenizer(request.prompt).input_ids
+        request_params.check_prompt(request, self.limits)
+        prompt_ids = request_params.prompt_ids_of(request)
         if not prompt_ids:
-            raise InvalidArgument("prompt", "tokenizes to no tokens")
+            prompt_ids = self.tokenizer(request.prompt).input_ids
+            request_params.check_prompt_text(len(prompt_ids), self.limits)
         params = request_params.parse(request, len(prompt_ids), self.limits)
         if params.strategy not in STRATEGIES:
-            raise InvalidArgument("strategy", f"strategy {params.strategy!r} is not available on this orchestrator")
+            raise InvalidArgument("strategy", f"strategy {echo(params.strategy)} is not available on this orchestrator")
+        self._check_available(params.strategy)
         return params, prompt_ids
 
     async def stream(
@@ -236,6 +262,10 @@ class Decoder:
             if delta.stats is not None:
                 return Result(token_ids, "".join(text), delta.finish_reason, delta.sequences, delta.stats)
         raise AssertionError("stream ended without a final delta")
+
+
+def _where(model: ModelHandle) -> str:
+    return str(getattr(model, "address", model.label))
 
 
 def _annotate_root(span: Span, delta: Delta) -> None:

@@ -229,6 +229,10 @@ class RemoteModel:
                     raise _service_error(f"{label} ({address})", error) from error
                 await asyncio.sleep(0.5)
 
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        return self._channel
+
     def session(self, stats: CallStats) -> ModelSession:
         return RemoteSession(self._stub, self.label, stats, self.tracing)
 

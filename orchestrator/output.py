@@ -2,8 +2,14 @@
 
 Strategies hand over tokens as they are decided, possibly several at once (a speculative round);
 `Output.extend` keeps exactly those before the first stop: an eos (kept, as transformers keeps
-it), `max_new_tokens`, or the first occurrence of a stop string. With a stop string, `text` ends
-just before it and `token_ids` end with the token that completed it.
+it), `max_new_tokens`, or the first occurrence of a stop string in the generated text (the
+prompt's text is not searched).
+
+Stop strings are exact, for every strategy and over unary and streaming alike: `text` ends just
+before the earliest match, whichever round its first characters arrived in, and `token_ids` end
+with the token that completed it (so the ids may decode to more than `text`). While generating,
+`text_delta` holds back any tail of the text that could still become the start of a stop string
+(and a trailing partial UTF-8 character), so nothing streamed is ever taken back.
 """
 
 from __future__ import annotations
@@ -14,6 +20,18 @@ from typing import cast
 from transformers import PreTrainedTokenizerBase
 
 REPLACEMENT_CHAR = "\ufffd"
+
+
+def stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of one of `stops`: the
+    characters that may yet turn out to begin a stop string."""
+    longest = 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:length]):
+                longest = length
+                break
+    return longest
 
 
 @dataclass
@@ -82,12 +100,15 @@ class Output:
         self.finish_reason = "stop"
 
     def text_delta(self) -> str:
-        """Text not yet emitted. Holds back a trailing partial UTF-8 character unless done."""
+        """Text not yet emitted. Unless done, holds back a trailing partial UTF-8 character and
+        the longest tail that is a proper prefix of a stop string."""
         text = self.text
         end = len(text)
         if not self.done:
+            end -= stop_prefix_len(text, self.stop)
             while end > self._emitted_chars and text[end - 1] == REPLACEMENT_CHAR:
                 end -= 1
+            end = max(end, self._emitted_chars)
         delta = text[self._emitted_chars : end]
         self._emitted_chars = end
         return delta

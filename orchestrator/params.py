@@ -7,6 +7,7 @@ any session is opened.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 
 from specwire.v1 import orchestrator_pb2
@@ -24,6 +25,14 @@ CD_FORM_VALUES = {name: orchestrator_pb2.ContrastiveForm.Value(f"CONTRASTIVE_FOR
 MAX_BEAMS = 32
 MAX_SPECULATIVE_TOKENS = 64
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # per stop string
+# |length_penalty| bound: length^penalty stays far inside float64 for any context length.
+MAX_LENGTH_PENALTY = 20.0
+# Li et al.'s amateur temperature: below this the amateur's own scale swamps the contrast.
+MIN_AMATEUR_TEMPERATURE = 0.01
+# The request fields whose names the messages use (one place, for renames).
+PROMPT_FIELD, PROMPT_IDS_FIELD, STOP_FIELD = "prompt", "input_ids", "stop_strings"
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,10 @@ class GenerationParams:
     do_sample: bool = False
 
 
+def _as_float32(value: float) -> float:
+    return float(struct.unpack("f", struct.pack("f", value))[0])
+
+
 def _finite(value: float, name: str) -> float:
     if not math.isfinite(value):
         raise InvalidArgument(name, f"must be a finite number, got {value}")
@@ -85,11 +98,34 @@ def enum_name(request: orchestrator_pb2.GenerateRequest, field_name: str, values
     return name
 
 
-def check_prompt(request: orchestrator_pb2.GenerateRequest, vocab_size: int) -> None:
-    """`prompt` and `input_ids` are a oneof: the wire cannot carry both."""
-    if not request.prompt and not request.input_ids.ids:
-        raise InvalidArgument("prompt", "must not be empty (give prompt or input_ids)")
-    check_token_ids(list(request.input_ids.ids), vocab_size, "input_ids")
+def prompt_ids_of(request: orchestrator_pb2.GenerateRequest) -> list[int]:
+    return list(request.input_ids.ids)
+
+
+def stop_strings_of(request: orchestrator_pb2.GenerateRequest) -> tuple[str, ...]:
+    return tuple(request.stop_strings)
+
+
+def check_prompt(request: orchestrator_pb2.GenerateRequest, limits: Limits) -> None:
+    """One of text and ids (a oneof on the wire); ids in the vocabulary and no more than the context holds."""
+    ids = prompt_ids_of(request)
+    if not request.prompt and not ids:
+        raise InvalidArgument(PROMPT_FIELD, f"must not be empty (give {PROMPT_FIELD} or {PROMPT_IDS_FIELD})")
+    if len(ids) >= limits.max_context:
+        raise InvalidArgument(
+            PROMPT_IDS_FIELD, f"{len(ids)} tokens leave no room in the model context of {limits.max_context}"
+        )
+    check_token_ids(ids, limits.vocab_size, PROMPT_IDS_FIELD)
+
+
+def check_prompt_text(prompt_len: int, limits: Limits) -> None:
+    """The tokenized text prompt must hold a token and leave room for at least one new token."""
+    if not prompt_len:
+        raise InvalidArgument(PROMPT_FIELD, "tokenizes to no tokens")
+    if prompt_len >= limits.max_context:
+        raise InvalidArgument(
+            PROMPT_FIELD, f"{prompt_len} tokens leave no room in the model context of {limits.max_context}"
+        )
 
 
 def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Limits) -> GenerationParams:
@@ -99,7 +135,7 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     max_new = request.max_new_tokens if request.HasField("max_new_tokens") else limits.default_max_new_tokens
     if not 1 <= max_new <= limits.max_new_tokens:
         raise InvalidArgument("max_new_tokens", f"must be in [1, {limits.max_new_tokens}], got {max_new}")
-    if prompt_len + max_new > limits.max_context:
+    if prompt_len + max_new > limits.max_context:  # the prompt alone fits (check_prompt*)
         raise InvalidArgument(
             "max_new_tokens",
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new}) exceeds the model context of {limits.max_context}",
@@ -117,7 +153,7 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     min_p = _finite(_opt(request, "min_p", 0.0), "min_p")
     if not 0 <= min_p <= 1:
         raise InvalidArgument("min_p", f"must be in [0, 1], got {min_p}")
-    repetition_penalty = _finite(_opt(request, "repetition_penalty", 1.0), "repetition_penalty")
+    repetition_penalty = _finite(_opt(request, "repetition_penalty", 1.0), "repetition_penalty")  # > 0, any size
     if repetition_penalty <= 0:
         raise InvalidArgument("repetition_penalty", f"must be > 0, got {repetition_penalty}")
     ngram = int(_opt(request, "no_repeat_ngram_size", 0))
@@ -133,6 +169,10 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     if not 1 <= num_return <= num_beams:
         raise InvalidArgument("num_return_sequences", f"must be in [1, num_beams={num_beams}], got {num_return}")
     length_penalty = _finite(_opt(request, "length_penalty", 1.0), "length_penalty")
+    if not -MAX_LENGTH_PENALTY <= length_penalty <= MAX_LENGTH_PENALTY:
+        raise InvalidArgument(
+            "length_penalty", f"must be in [{-MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], got {length_penalty}"
+        )
     early: dict[str, bool | str] = {"false": False, "true": True, "never": "never"}
     early_stopping = early[enum_name(request, "early_stopping", EARLY_STOPPING_VALUES)]
 
@@ -151,20 +191,23 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     if cd_beta < 0:
         raise InvalidArgument("cd_beta", f"must be ≥ 0, got {cd_beta}")
     amateur_t = _finite(_opt(request, "amateur_temperature", 1.0), "amateur_temperature")
-    if amateur_t <= 0:
-        raise InvalidArgument("amateur_temperature", f"must be > 0, got {amateur_t}")
+    if amateur_t < _as_float32(MIN_AMATEUR_TEMPERATURE):  # the field is a float: 0.01 arrives rounded
+        raise InvalidArgument("amateur_temperature", f"must be ≥ {MIN_AMATEUR_TEMPERATURE}, got {amateur_t}")
 
-    if len(request.stop_strings) > MAX_STOP_STRINGS or any(not s for s in request.stop_strings):
-        raise InvalidArgument("stop_strings", f"at most {MAX_STOP_STRINGS} non-empty strings")
-    if request.stop_strings and num_beams > 1:
-        raise InvalidArgument("stop_strings", "not supported with beam search (num_beams > 1)")
+    stop = stop_strings_of(request)
+    if len(stop) > MAX_STOP_STRINGS or any(not 1 <= len(s) <= MAX_STOP_CHARS for s in stop):
+        raise InvalidArgument(
+            STOP_FIELD, f"at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_CHARS} characters each"
+        )
+    if stop and num_beams > 1:
+        raise InvalidArgument(STOP_FIELD, "stop strings are not supported with beam search (num_beams > 1)")
 
-    sampling_fields = ("temperature", "top_k", "top_p", "min_p")
-    sampling_asked = strategy == "sample" or (
-        strategy in ("speculative", "contrastive") and any(request.HasField(name) for name in sampling_fields)
-    )
-    if strategy == "beam" and any(request.HasField(name) for name in sampling_fields):
-        raise InvalidArgument("temperature", "beam search here is deterministic; sampling warpers do not apply")
+    warpers_set = [name for name in SAMPLING_FIELDS if request.HasField(name)]
+    sampling_asked = strategy == "sample" or (strategy in ("speculative", "contrastive") and bool(warpers_set))
+    if strategy == "beam" and warpers_set:
+        raise InvalidArgument(warpers_set[0], "beam search here is deterministic; sampling warpers do not apply")
+    if strategy == "contrastive" and num_beams > 1 and sampling_asked and temperature > 0:
+        raise InvalidArgument(warpers_set[0], "contrastive beam search is deterministic; sampling warpers do not apply")
     processing = ProcessingConfig(
         repetition_penalty=repetition_penalty,
         no_repeat_ngram_size=ngram,
@@ -177,7 +220,7 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
         strategy=strategy,
         max_new_tokens=max_new,
         ignore_eos=request.ignore_eos,
-        stop_strings=tuple(request.stop_strings),
+        stop_strings=stop,
         seed=request.seed if request.HasField("seed") else None,
         processing=processing,
         num_beams=num_beams,

@@ -8,17 +8,20 @@ import sys
 from collections.abc import AsyncIterator
 
 import grpc
+from grpc_health.v1 import health_pb2
 from opentelemetry.trace import SpanKind
 from specwire.orchestrator.context import BeamSequence
-from specwire.orchestrator.generation import STRATEGIES, Decoder, Delta, Result
+from specwire.orchestrator.generation import Decoder, Delta, Result
+from specwire.orchestrator.health import HealthWatcher, ServiceStates
 from specwire.orchestrator.models import RemoteModel
 from specwire.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from specwire import serving, telemetry
 from specwire.config import OrchestratorConfig
 from specwire.engine import load_tokenizer
-from specwire.errors import FailedPrecondition, StatusError
+from specwire.errors import FailedPrecondition, StatusError, capped
 from specwire.metrics import OrchestratorMetrics, serve_metrics
+from specwire.model_service import SERVICE_NAME as MODEL_SERVICE
 
 log = logging.getLogger("specwire")
 SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
@@ -74,7 +77,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             await context.abort(error.code, error.message)
         except Exception as error:  # a bug must not take the server down: report it as INTERNAL
             log.exception("Generate failed")
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+            await context.abort(grpc.StatusCode.INTERNAL, capped(f"{type(error).__name__}: {error}"))
         return result_to_pb(self.decoder, result)
 
     async def GenerateStream(
@@ -88,7 +91,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             await context.abort(error.code, error.message)
         except Exception as error:
             log.exception("GenerateStream failed")
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+            await context.abort(grpc.StatusCode.INTERNAL, capped(f"{type(error).__name__}: {error}"))
 
     async def Info(
         self, request: orchestrator_pb2.OrchestratorInfoRequest, context: grpc.aio.ServicerContext
@@ -104,7 +107,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             vocab_size=target.vocab_size,
             max_context=target.max_context,
             max_new_tokens_limit=decoder.limits.max_new_tokens,
-            strategies=sorted(STRATEGIES),
+            strategies=decoder.available_strategies(),
             draft_capabilities=draft.capabilities if draft else [],
             target_capabilities=target.capabilities,
         )
@@ -139,6 +142,27 @@ async def build_decoder(
     )
 
 
+def watch_services(decoder: Decoder, running: serving.RunningServer) -> list[HealthWatcher]:
+    """Follow the model services' health streams: the orchestrator is SERVING (for "" and
+    `specwire.v1.Orchestrator`) while the target is, and offers the draft's strategies while the
+    draft is. Returns the started watchers (stop them before closing the channels)."""
+    loop = asyncio.get_running_loop()
+
+    def follow(states: ServiceStates) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if states.target_up else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            loop.create_task(running.health.set(name, status))
+
+    decoder.states.listeners.append(follow)
+    watchers = []
+    for model in (decoder.target, decoder.draft):
+        if isinstance(model, RemoteModel):
+            watcher = HealthWatcher(model.channel, model.label, MODEL_SERVICE, decoder.states)
+            watcher.start()
+            watchers.append(watcher)
+    return watchers
+
+
 async def run(config: OrchestratorConfig) -> None:
     observe = config.telemetry
     tracing = telemetry.setup_tracing(
@@ -162,9 +186,12 @@ async def run(config: OrchestratorConfig) -> None:
     async def ready() -> None:
         return None
 
+    watchers = watch_services(decoder, running)
     try:
         await serving.serve_until_signalled(running, [SERVICE_NAME], ready, "orchestrator", config.host, config.grace_s)
     finally:
+        for watcher in watchers:
+            await watcher.stop()
         if metrics_server is not None:
             metrics_server.shutdown()
         if tracing is not None:

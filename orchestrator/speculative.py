@@ -47,7 +47,7 @@ def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor)
     """
     residual = (target_probs - draft_probs).clamp_min(0.0)  # [..., vocab]
     mass = residual.sum(dim=-1, keepdim=True)  # [..., 1]
-    return torch.where(mass > 0, residual / mass.clamp_min(1e-30), target_probs)
+    return torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), target_probs)
 
 
 def accept_drafts(

@@ -196,8 +196,9 @@ class ModelServiceMetrics:
         self.compute_seconds.labels(kind).observe(compute_us / 1e6)
         self.forward_passes.inc(forward_calls)
 
-    def message_failed(self, kind: str) -> None:
-        self.messages.labels(kind, "error").inc()
+    def message_failed(self, kind: str, status: str = "error") -> None:
+        """A message that did not complete: "error", or "cancelled" (the caller went away)."""
+        self.messages.labels(kind, status).inc()
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> WSGIServer:

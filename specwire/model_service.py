@@ -11,6 +11,7 @@ context the message carries, and counted in the service's metrics.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,11 +20,12 @@ import grpc
 from opentelemetry.trace import Span, SpanKind
 
 from specwire import telemetry, wire
-from specwire.errors import InvalidArgument, StatusError
+from specwire.errors import InvalidArgument, StatusError, capped
 from specwire.metrics import ModelServiceMetrics
 from specwire.session import Backend, BackendSession, OpenRequest, ScoreKind, StepRequest
 from specwire.v1 import model_pb2, model_pb2_grpc
 
+log = logging.getLogger("specwire")
 SERVICE_NAME = model_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name
 
 
@@ -122,6 +124,9 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
                     reply = await self._handle(session, message, opened, usage)
                 except StatusError as error:
                     await context.abort(error.code, error.message)
+                except Exception as error:  # a bug: INTERNAL, logged, and the service goes on
+                    log.exception("session message failed")
+                    await context.abort(grpc.StatusCode.INTERNAL, capped(f"{type(error).__name__}: {error}"))
                 opened = True
                 yield reply
         finally:
@@ -155,7 +160,8 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
                 telemetry.record_error(span, error)
                 span.end()
             if self.metrics is not None:
-                self.metrics.message_failed(kind)
+                cancelled = isinstance(error, asyncio.CancelledError)
+                self.metrics.message_failed(kind, "cancelled" if cancelled else "error")
             raise
         timing = reply.timing
         if span is not None:

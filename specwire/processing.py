@@ -17,6 +17,27 @@ import torch
 NEG_INF = float("-inf")
 
 
+def overflow_limit(scores: torch.Tensor) -> torch.Tensor:
+    """Scores whose float32 arithmetic overflowed, taken to the limit they were heading for.
+
+    A row holding +inf (T → 0, a penalty → 0, a weight → ∞) is dominated by those entries:
+    they become 0, every other entry −inf, so softmax is uniform over them and argmax picks one
+    (greedy). NaN (∞ − ∞) becomes −inf; a row left with no finite entry becomes all 0 (uniform).
+    Rows that did not overflow are returned as they are. scores: [rows, vocab].
+    """
+    scores = scores.nan_to_num(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
+    top = scores == float("inf")  # [rows, vocab]
+    dominated = top.any(dim=-1, keepdim=True)  # [rows, 1]
+    scores = torch.where(dominated, torch.where(top, 0.0, NEG_INF), scores)
+    empty = ~torch.isfinite(scores).any(dim=-1, keepdim=True)  # [rows, 1]
+    return torch.where(empty, torch.zeros_like(scores), scores)
+
+
+def _overflowed(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Whether an operation turned a finite score infinite or NaN."""
+    return bool((torch.isfinite(before) & ~torch.isfinite(after)).any())
+
+
 @dataclass(frozen=True)
 class ProcessingConfig:
     """How to turn a model's logits into the scores or distribution a strategy decides on."""
@@ -44,12 +65,15 @@ def repetition_penalty(scores: torch.Tensor, history: torch.Tensor, penalty: flo
 
     s'(x) = s(x) / penalty if s(x) > 0 else s(x) · penalty, for x in history.
     scores: [rows, vocab]; history: [rows, length] int64.
+    A tiny penalty can overflow float32 upward: `overflow_limit` then keeps the limit (greedy
+    over the overflowed ids).
     """
     if penalty == 1.0 or history.shape[-1] == 0:
         return scores
     seen = torch.gather(scores, 1, history)  # [rows, length]
     penalized = torch.where(seen < 0, seen * penalty, seen / penalty)
-    return scores.scatter(1, history, penalized)
+    out = scores.scatter(1, history, penalized)
+    return overflow_limit(out) if _overflowed(scores, out) else out
 
 
 def banned_ngram_tokens(history: Sequence[int], ngram_size: int) -> list[int]:
@@ -74,14 +98,32 @@ def no_repeat_ngram(scores: torch.Tensor, history: torch.Tensor, ngram_size: int
     out = scores.clone()
     for row, tokens in enumerate(history.tolist()):
         banned = banned_ngram_tokens(tokens, ngram_size)
-        if banned:
+        if not banned:
+            continue
+        allowed = torch.isfinite(out[row])  # [vocab]
+        allowed[banned] = False
+        # A ban that would leave nothing to choose lapses for that row.
+        if bool(allowed.any()):
             out[row, banned] = NEG_INF
     return out
 
 
 def temperature(scores: torch.Tensor, value: float) -> torch.Tensor:
-    """s / T. T = 1 is the identity."""
-    return scores if value == 1.0 else scores / value
+    """s / T. T = 1 is the identity.
+
+    As T → 0 (0 included) softmax(s / T) tends to uniform over the row's maxima, i.e. greedy.
+    Where s / T would overflow, the row is shifted by its maximum first, (s − max s) / T ≤ 0,
+    which leaves softmax unchanged, and a 0/0 at the maximum is its limit, 0.
+    """
+    if value == 1.0:
+        return scores
+    if value > 0:
+        scaled = scores / value
+        if not _overflowed(scores, scaled):
+            return scaled
+    top = scores.amax(dim=-1, keepdim=True)  # [rows, 1]
+    shifted = ((scores - top) / value).nan_to_num(nan=NEG_INF)  # [rows, vocab], ≤ 0 or −inf
+    return overflow_limit(torch.where(scores >= top, 0.0, shifted))
 
 
 def top_k(scores: torch.Tensor, k: int, min_tokens_to_keep: int = 1) -> torch.Tensor:

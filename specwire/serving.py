@@ -8,10 +8,12 @@ in-flight generations `grace` seconds to finish.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -30,10 +32,83 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    # A service that restarts is reached again within about a second (gRPC's default back-off
+    # grows to two minutes).
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 SERVER_OPTIONS: list[tuple[str, int]] = CHANNEL_OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
 ]
+
+
+class _Malformed:
+    """What a request that failed to parse is handed on as, so the handler can answer it."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _tolerant(deserialize: Callable[[bytes], object]) -> Callable[[bytes], object]:
+    def parse(data: bytes) -> object:
+        try:
+            return deserialize(data)
+        except Exception as error:  # protobuf's DecodeError, or anything a parser raises
+            return _Malformed(error)
+
+    return parse
+
+
+async def _refuse(request: object, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, _Malformed):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: malformed protobuf bytes ({request.error})"[:200])
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Request bytes that do not parse get INVALID_ARGUMENT, not grpcio's UNKNOWN.
+
+    The method's deserializer is swapped for one that hands the failure on; the handler, wrapped,
+    answers it before the servicer sees anything (for a request stream, at the bad message).
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        deserialize = _tolerant(handler.request_deserializer)
+        streaming = handler.request_streaming
+        kind = ("stream_" if streaming else "unary_") + ("stream" if handler.response_streaming else "unary")
+        inner = getattr(handler, kind)
+
+        async def checked(requests: AsyncIterator[object], context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
+            async for request in requests:
+                await _refuse(request, context)
+                yield request
+
+        async def admitted(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if streaming:
+                return checked(request, context)
+            await _refuse(request, context)
+            return request
+
+        # grpc.aio tells handler styles apart by their function kind, so the wrapper keeps it.
+        if inspect.isasyncgenfunction(inner):
+
+            async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                async for reply in inner(await admitted(request, context), context):
+                    yield reply
+
+        else:
+
+            async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[misc]
+                return await inner(await admitted(request, context), context)
+
+        return handler._replace(request_deserializer=deserialize, **{kind: wrapped})  # type: ignore[attr-defined, no-any-return]
 
 
 @dataclass
@@ -51,7 +126,7 @@ async def start_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> RunningServer:
     """Bind, register the services plus health and reflection, start. Health starts NOT_SERVING."""
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[MalformedRequestInterceptor(), *interceptors])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import grpc
 from specwire.orchestrator.generation import Decoder
 from specwire.orchestrator.server import SERVICE_NAME as ORCHESTRATOR_SERVICE
-from specwire.orchestrator.server import OrchestratorServicer, build_decoder
+from specwire.orchestrator.server import OrchestratorServicer, build_decoder, watch_services
 from specwire.v1 import model_pb2_grpc, orchestrator_pb2_grpc
 
 from specwire import serving, telemetry
@@ -97,6 +97,7 @@ async def start_observed_orchestrator(
 
     running = await serving.start_server(register, [ORCHESTRATOR_SERVICE], "127.0.0.1", 0)
     await serving.mark_serving(running, [ORCHESTRATOR_SERVICE])
+    watch_services(decoder, running)
     return OrchestratorServer(decoder, running)
 
 

@@ -37,6 +37,19 @@ CASES: list[tuple[dict[str, Any], str]] = [
     ({"prompt": "x", "stop_strings": [""]}, "stop_strings"),
     ({"prompt": "x", "stop_strings": ["a"] * 17}, "stop_strings"),
     ({"prompt": "x", "strategy": "beam", "stop_strings": ["a"]}, "stop_strings"),
+        ({"prompt": "x", "strategy": "beam", "length_penalty": 400.0}, "length_penalty"),
+    ({"prompt": "x", "strategy": "contrastive", "cd_form": "li", "amateur_temperature": 1e-45}, "amateur_temperature"),
+    # A sampling warper with beams is blamed on the warper that was set.
+    ({"prompt": "x", "strategy": "beam", "top_p": 0.5}, "top_p"),
+    ({"prompt": "x", "strategy": "beam", "top_k": 5}, "top_k"),
+    ({"prompt": "x", "strategy": "beam", "min_p": 0.1}, "min_p"),
+    ({"prompt": "x", "strategy": "contrastive", "num_beams": 2, "top_k": 5}, "top_k"),
+    # Long values are echoed cut short, so the status fits its metadata.
+    ({"prompt": "x", "strategy": "x" * 100_000}, "strategy"),
+    ({"prompt": "x", "strategy": "contrastive", "cd_form": "x" * 100_000}, "cd_form"),
+    ({"prompt": "x", "strategy": "beam", "early_stopping": "x" * 100_000}, "early_stopping"),
+    ({"prompt": "a" * 1_000_000}, "prompt"),
+    ({"input_ids": [1] * 512}, "input_ids"),
 ]
 
 
@@ -47,6 +60,7 @@ def test_bad_field_is_invalid_argument_naming_it(llama_stack: Stack, kwargs: dic
         client.generate(**kwargs)
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.message.startswith(f"{field}:"), caught.value.message
+    assert len(caught.value.message) < 300
 
 
 @pytest.mark.parametrize(
@@ -104,3 +118,31 @@ def test_other_sessions_go_on_while_one_fails(llama_stack: Stack) -> None:
         client.generate(prompt="x", top_p=7.0)
     rest = [t for d in running for t in d.token_ids]
     assert len(first.token_ids) + len(rest) == 30
+
+
+MALFORMED = b"\x0a\xff\xff\xff\xff"  # field 1, length-delimited, with a length past the end
+
+
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream", "Info"])
+def test_malformed_request_bytes_are_invalid_argument(llama_stack: Stack, method: str) -> None:
+    with grpc.insecure_channel(llama_stack.address) as channel:
+        path = f"/specwire.v1.Orchestrator/{method}"
+        if method == "GenerateStream":
+            call: Any = channel.unary_stream(path)
+            with pytest.raises(grpc.RpcError) as caught:
+                list(call(MALFORMED, timeout=10))
+        else:
+            with pytest.raises(grpc.RpcError) as caught:
+                channel.unary_unary(path)(MALFORMED, timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+    assert caught.value.details().startswith("request: malformed")
+    assert len(Client(llama_stack.address).generate(prompt="def", max_new_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_malformed_session_message_is_invalid_argument(llama_stack: Stack) -> None:
+    with grpc.insecure_channel(llama_stack.target.address) as channel:
+        session: Any = channel.stream_stream("/specwire.v1.ModelService/Session")
+        with pytest.raises(grpc.RpcError) as caught:
+            list(session(iter([MALFORMED]), timeout=10))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+    wait_for_no_sessions(llama_stack)

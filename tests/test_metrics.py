@@ -123,3 +123,29 @@ def test_kv_cache_gauge_counts_the_tokens_an_open_session_holds(metered: tuple[O
         stream.close()
     assert value(during, "specwire_active_sessions") >= 1
     assert value(during, "specwire_kv_cache_tokens") >= 4  # at least the prompt
+
+
+def test_cancelled_streams_count_as_cancelled_not_error(metered: tuple[Observed, dict[str, str]]) -> None:
+    observed, urls = metered
+    before = scrape(urls["target"])
+    with Client(observed.stack.address, timeout=60) as client:
+        for _ in range(4):
+            stream = cast(
+                Generator[StreamDelta, None, None],
+                client.stream(input_ids=[5, 6, 7, 8], strategy="greedy", max_new_tokens=200, ignore_eos=True),
+            )
+            next(stream)
+            stream.close()  # the client goes away with the target mid-message
+    deadline = time.monotonic() + 10
+    while value(scrape(urls["target"]), "specwire_active_sessions") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = scrape(urls["target"])
+    counted = {
+        status: sum(
+            value(after, "specwire_session_messages_total", kind=kind, status=status)
+            - value(before, "specwire_session_messages_total", kind=kind, status=status)
+            for kind in ("open", "step")
+        )
+        for status in ("error", "cancelled")
+    }
+    assert counted["error"] == 0 and counted["cancelled"] >= 1, counted

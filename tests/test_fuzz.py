@@ -1,0 +1,357 @@
+"""Fuzzing the public API: seeded, bounded, over one shared stack of tiny random models.
+
+Each run sends well over 500 generated requests, four at a time:
+- in bounds: every field inside its documented range, extremes included (T = 1e-45, a
+  repetition penalty of 1e38, length_penalty ±20, …); each must succeed, and where it is streamed
+  too, the stream must equal the unary answer;
+- adversarial: an in-bounds request with exactly one field (or one combination) broken; the
+  answer must be INVALID_ARGUMENT naming that field;
+- random: any value of the field's wire type in any field; the answer must be OK or
+  INVALID_ARGUMENT naming a field the request set.
+Never INTERNAL or UNKNOWN; afterwards the servers are healthy, a valid request succeeds, and no
+session or KV-cache token is left on either model service.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from specwire.orchestrator.params import CD_FORM_VALUES, EARLY_STOPPING_VALUES, STRATEGY_VALUES
+from specwire.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+from tests.harness import LoopThread
+from tests.observed import Observed, start_observed_stack
+
+SEED = 20261122
+VOCAB = 320  # tests.tiny.build_tokenizer
+CONTEXT = 512
+MAX_NEW_LIMIT = 256  # the stack's --max-new-tokens-limit
+FLOAT32_MAX = 3.0e38
+
+# Wire names of the fields whose names or types may change (one place to follow a rename).
+PROMPT, PROMPT_IDS, STOP = "prompt", "input_ids", "stop_strings"
+# Enum fields, generated as lowercase names (as the SDK takes them); a name the enum does not
+# have goes out as a number no build knows, as another client could send.
+CHOICE_VALUES = {"strategy": STRATEGY_VALUES, "early_stopping": EARLY_STOPPING_VALUES, "cd_form": CD_FORM_VALUES}
+UNKNOWN_ENUM_NUMBERS = (99, 2**31 - 1, -1)
+STRATEGIES = ("greedy", "sample", "beam", "speculative", "contrastive")
+WARPERS = ("temperature", "top_k", "top_p", "min_p")
+PROMPTS = ("def add(a, b):", "import os", "for i in range(10):", "the quick brown fox", "class Point:\n    ")
+
+
+def set_field(request: orchestrator_pb2.GenerateRequest, name: str, value: Any) -> None:
+    if name == PROMPT_IDS:
+        request.input_ids.ids.extend(value)
+    elif name in CHOICE_VALUES and isinstance(value, str):
+        values = CHOICE_VALUES[name]
+        known = value.lower() in values or value == ""
+        number = values.get(value.lower(), 0) if known else UNKNOWN_ENUM_NUMBERS[len(value) % len(UNKNOWN_ENUM_NUMBERS)]
+        setattr(request, name, number)
+    elif name == STOP:
+        getattr(request, STOP).extend(value)
+    else:
+        setattr(request, name, value)
+
+
+@dataclass
+class Case:
+    kind: str  # "in-bounds", "adversarial" or "random"
+    fields: dict[str, Any]
+    stream: bool
+    broken: str = ""  # adversarial: the field the answer must name
+    compare: bool = False  # in bounds: also stream it and compare
+
+    def request(self) -> orchestrator_pb2.GenerateRequest:
+        request = orchestrator_pb2.GenerateRequest()
+        for name, value in self.fields.items():
+            set_field(request, name, value)
+        return request
+
+
+class Generator:
+    """Seeded request generator: it knows which field it broke."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def tiny(self) -> float:
+        return self.rng.choice([1e-45, 1e-38, 1e-20, 1e-6])
+
+    def huge(self) -> float:
+        return self.rng.choice([1e6, 1e20, 1e38, FLOAT32_MAX])
+
+    def positive(self) -> float:
+        return self.rng.choice([self.tiny(), self.huge(), self.rng.uniform(0.05, 5.0)])
+
+    def in_bounds(self) -> dict[str, Any]:
+        r = self.rng
+        strategy = r.choice(STRATEGIES)
+        fields: dict[str, Any] = {"strategy": strategy, "max_new_tokens": r.randint(1, 6), "seed": r.randrange(2**32)}
+        if r.random() < 0.7:
+            fields[PROMPT] = r.choice(PROMPTS)
+        else:
+            fields[PROMPT_IDS] = [r.randrange(VOCAB) for _ in range(r.randint(1, 20))]
+        if r.random() < 0.4:
+            fields["ignore_eos"] = True
+        if r.random() < 0.3:
+            fields["repetition_penalty"] = self.positive()
+        if r.random() < 0.2:
+            fields["no_repeat_ngram_size"] = r.randint(0, 4)
+        beams = strategy == "beam" or (strategy == "contrastive" and r.random() < 0.3)
+        if beams:
+            fields["num_beams"] = r.choice([1, 2, 3, 4]) if strategy == "beam" else r.choice([2, 3])
+            fields["num_return_sequences"] = r.randint(1, fields["num_beams"])
+            fields["length_penalty"] = r.choice([-20.0, -1.0, 0.0, 1.0, 2.0, 20.0, r.uniform(-20, 20)])
+            fields["early_stopping"] = r.choice(["", "false", "true", "never", "TRUE"])
+        elif strategy != "beam":
+            for name in WARPERS:
+                if r.random() < (0.6 if strategy == "sample" else 0.25):
+                    fields[name] = {
+                        "temperature": r.choice([0.0, self.tiny(), self.huge(), r.uniform(0.1, 2.0)]),
+                        "top_k": r.choice([0, 1, 5, 1000]),
+                        "top_p": r.choice([1e-45, 0.5, 0.9, 1.0]),
+                        "min_p": r.choice([0.0, 0.1, 1.0]),
+                    }[name]
+            if r.random() < 0.3:
+                fields[STOP] = ["".join(r.choice("eo( .:\n") for _ in range(r.randint(1, 3))) for _ in range(r.randint(1, 3))]
+        if strategy == "speculative":
+            fields["num_speculative_tokens"] = r.choice([1, 4, 64])
+            if r.random() < 0.3:
+                fields["draft_confidence_threshold"] = r.choice([0.0, 0.5, 0.999])
+        if strategy == "contrastive":
+            fields["cd_form"] = r.choice(["", "obrien", "li"])
+            fields["cd_alpha"] = r.choice([1e-45, 0.1, 1.0])
+            fields["cd_beta"] = r.choice([0.0, 0.5, self.huge()])
+            fields["amateur_temperature"] = r.choice([0.01, 1.0, self.huge()])
+        return fields
+
+    def adversarial(self) -> tuple[dict[str, Any], str]:
+        """An in-bounds request with one thing broken, and the field the answer must name."""
+        r = self.rng
+        fields = self.in_bounds()
+        nan, inf = math.nan, math.inf
+        long_text = "x" * r.choice([65, 1000, 100_000])
+        breakers: dict[str, Callable[[], Any]] = {
+            "temperature": lambda: r.choice([-1.0, -1e-45, nan, inf, -inf]),
+            "top_k": lambda: r.choice([-1, -(2**31)]),
+            "top_p": lambda: r.choice([0.0, -0.5, 1.0001, 7.0, nan, inf]),
+            "min_p": lambda: r.choice([-0.1, 1.5, nan, inf]),
+            "repetition_penalty": lambda: r.choice([0.0, -1.0, nan, inf, -inf]),
+            "no_repeat_ngram_size": lambda: r.choice([-1, -(2**31)]),
+            "length_penalty": lambda: r.choice([20.5, -21.0, 400.0, 1e38, nan, inf]),
+            "early_stopping": lambda: r.choice(["sometimes", "yes", long_text]),
+            "num_speculative_tokens": lambda: r.choice([0, -3, 65, 2**31 - 1]),
+            "draft_confidence_threshold": lambda: r.choice([1.0, -0.1, 2.0, nan]),
+            "cd_form": lambda: r.choice(["lewis", "obrien-li", long_text]),
+            "cd_alpha": lambda: r.choice([0.0, -0.1, 1.5, nan, 1e-46]),
+            "cd_beta": lambda: r.choice([-1.0, -1e-45, nan, inf]),
+            "amateur_temperature": lambda: r.choice([0.0, 0.001, -1.0, nan, inf]),
+            "strategy": lambda: r.choice(["nucleus", "greedy2", long_text]),
+            "max_new_tokens": lambda: r.choice([0, -1, MAX_NEW_LIMIT + 1, 2**31 - 1]),
+            STOP: lambda: r.choice([[""], ["a"] * 17, ["y" * 257]]),
+        }
+        combos = ["num_beams", "num_return_sequences", "warper_with_beams", "stop_with_beams", "prompt", "prompt_ids"]
+        broken = r.choice([*breakers, *combos])
+        if broken in breakers:
+            if broken == STOP:
+                fields.pop("num_beams", None)
+                fields.pop("num_return_sequences", None)
+            fields[broken] = breakers[broken]()
+            return fields, broken
+        if broken == "num_beams":
+            if r.random() < 0.5:
+                fields["strategy"] = r.choice(["greedy", "sample", "speculative"])
+                fields["num_beams"] = r.randint(2, 4)
+                fields.pop("num_return_sequences", None)
+            else:
+                fields["strategy"] = "beam"
+                fields["num_beams"] = r.choice([0, -1, 33, 2**31 - 1])
+            fields.pop(STOP, None)
+            return fields, "num_beams"
+        if broken == "num_return_sequences":
+            fields.update(strategy="beam", num_beams=2, num_return_sequences=r.choice([0, 3, -1]))
+            for name in (*WARPERS, STOP):
+                fields.pop(name, None)
+            return fields, "num_return_sequences"
+        if broken == "warper_with_beams":
+            warper = r.choice(WARPERS)
+            fields = {key: value for key, value in fields.items() if key not in (*WARPERS, STOP)}
+            if r.random() < 0.5:
+                fields.update(strategy="beam", num_beams=2, num_return_sequences=1)
+            else:
+                fields.update(strategy="contrastive", num_beams=2, num_return_sequences=1, temperature=1.0)
+                if warper == "temperature":
+                    fields["temperature"] = 0.7
+            fields[warper] = {"temperature": 0.7, "top_k": 5, "top_p": 0.5, "min_p": 0.1}[warper]
+            if fields["strategy"] == "contrastive" and warper != "temperature":
+                del fields["temperature"]  # the warper itself is what asks for sampling
+            return fields, warper
+        if broken == "stop_with_beams":
+            fields = {key: value for key, value in fields.items() if key not in WARPERS}
+            fields.update(strategy="beam", num_beams=2, num_return_sequences=1)
+            fields[STOP] = ["e"]
+            return fields, STOP
+        fields.pop(PROMPT, None)
+        fields.pop(PROMPT_IDS, None)
+        if broken == "prompt":
+            # Text and ids together cannot be sent: they are a oneof on the wire.
+            choice = r.choice(["empty", "long"])
+            if choice == "long":
+                fields[PROMPT] = " ".join(r.choice(["a", "zq", "fox", "(", "import"]) for _ in range(3000))
+            return fields, PROMPT
+        fields[PROMPT_IDS] = r.choice([[VOCAB], [-1], [1, 2, 2**31 - 1], [5] * CONTEXT])
+        return fields, PROMPT_IDS
+
+    def random(self) -> dict[str, Any]:
+        """Any value of each field's wire type, in any field."""
+        r = self.rng
+        floats = [0.0, -0.0, 1.0, -1.0, 0.5, 1e-45, -1e-45, 1e38, -1e38, math.nan, math.inf, -math.inf, r.uniform(-50, 50)]
+        ints = [0, 1, 2, 3, -1, 64, 65, 2**31 - 1, -(2**31), r.randint(-10, 10)]
+        strings = ["", "greedy", "sample", "beam", "speculative", "contrastive", "li", "obrien", "true", "never", "\x00", "é" * 3]
+        descriptor = orchestrator_pb2.GenerateRequest.DESCRIPTOR
+        fields: dict[str, Any] = {PROMPT: r.choice(PROMPTS)} if r.random() < 0.8 else {}
+        for field in r.sample(list(descriptor.fields), r.randint(1, 8)):
+            name = field.name
+            if name == PROMPT:
+                fields[name] = r.choice(["", "x", "ü€𝄞", *PROMPTS])
+            elif name == PROMPT_IDS:
+                fields[name] = [r.choice([*range(5), VOCAB - 1, VOCAB, -1]) for _ in range(r.randint(0, 5))]
+            elif name == STOP:
+                fields[name] = [r.choice(["", "e", "\n", "ab" * 200]) for _ in range(r.randint(0, 3))]
+            elif name in ("max_new_tokens",):
+                fields[name] = r.choice([-1, 0, 1, 3, 6, MAX_NEW_LIMIT + 1, 2**31 - 1])
+            elif name in ("num_beams", "num_return_sequences"):
+                fields[name] = r.choice([-1, 0, 1, 2, 3, 33])
+            elif name == "seed":
+                fields[name] = r.choice([0, 1, 2**64 - 1])
+            elif field.type == field.TYPE_ENUM:
+                fields[name] = r.choice([0, 1, 2, 3, 4, 5, *UNKNOWN_ENUM_NUMBERS])
+            elif field.type == field.TYPE_MESSAGE:
+                continue
+            elif field.type == field.TYPE_FLOAT:
+                fields[name] = r.choice(floats)
+            elif field.type == field.TYPE_INT32:
+                fields[name] = r.choice(ints)
+            elif field.type == field.TYPE_BOOL:
+                fields[name] = r.random() < 0.5
+            elif field.type == field.TYPE_STRING:
+                fields[name] = r.choice(strings)
+        fields.setdefault("max_new_tokens", r.randint(1, 6))
+        return fields
+
+    def cases(self, in_bounds: int, adversarial: int, random_: int) -> list[Case]:
+        cases = [Case("in-bounds", self.in_bounds(), self.rng.random() < 0.3, compare=self.rng.random() < 0.5) for _ in range(in_bounds)]
+        for _ in range(adversarial):
+            fields, broken = self.adversarial()
+            cases.append(Case("adversarial", fields, self.rng.random() < 0.5, broken))
+        cases += [Case("random", self.random(), self.rng.random() < 0.5) for _ in range(random_)]
+        self.rng.shuffle(cases)
+        return cases
+
+
+@dataclass
+class Outcome:
+    code: grpc.StatusCode
+    details: str = ""
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    finish_reason: str = ""
+
+
+def call(stub: orchestrator_pb2_grpc.OrchestratorStub, request: orchestrator_pb2.GenerateRequest, stream: bool) -> Outcome:
+    try:
+        if stream:
+            deltas = list(stub.GenerateStream(request, timeout=120))
+            ids = tuple(t for d in deltas for t in d.token_ids)
+            return Outcome(grpc.StatusCode.OK, "", ids, "".join(d.text for d in deltas), deltas[-1].finish_reason)
+        reply = stub.Generate(request, timeout=120)
+        return Outcome(grpc.StatusCode.OK, "", tuple(reply.token_ids), reply.text, reply.finish_reason)
+    except grpc.RpcError as error:
+        return Outcome(error.code(), error.details() or "")
+
+
+@pytest.fixture(scope="module")
+def fuzzed_stack(loop: LoopThread, llama_target_dir: Path, llama_draft_dir: Path) -> Iterator[Observed]:
+    observed = start_observed_stack(loop, llama_target_dir, llama_draft_dir, metrics=True)
+    yield observed
+    observed.stop()
+
+
+def gauge(observed: Observed, service: str, name: str) -> float:
+    value = observed.metrics[service].registry.get_sample_value(name)
+    return 0.0 if value is None else value
+
+
+def test_fuzzed_requests_get_clear_answers_and_leave_nothing_behind(fuzzed_stack: Observed) -> None:
+    started = time.monotonic()
+    cases = Generator(SEED).cases(in_bounds=190, adversarial=230, random_=150)
+    address = fuzzed_stack.stack.address
+    with grpc.insecure_channel(address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+
+        def run(case: Case) -> tuple[Case, Outcome, Outcome | None]:
+            request = case.request()
+            outcome = call(stub, request, case.stream)
+            other = call(stub, request, not case.stream) if case.compare else None
+            return case, outcome, other
+
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(run, cases))
+
+        requests = sum(1 + (other is not None) for _, _, other in results)
+        codes = Counter(outcome.code.name for _, outcome, _ in results)
+        failures = []
+        for case, outcome, other in results:
+            where = f"{case.kind} {case.fields!r:.300} → {outcome.code.name}: {outcome.details[:200]}"
+            if outcome.code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+                failures.append(f"server fault: {where}")
+            elif case.kind == "in-bounds" and outcome.code != grpc.StatusCode.OK:
+                failures.append(f"in-bounds request refused: {where}")
+            elif case.kind == "adversarial" and not (
+                outcome.code == grpc.StatusCode.INVALID_ARGUMENT and outcome.details.startswith(f"{case.broken}:")
+            ):
+                failures.append(f"expected INVALID_ARGUMENT naming {case.broken}: {where}")
+            elif case.kind == "random" and outcome.code not in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT):
+                failures.append(f"unexpected status: {where}")
+            elif case.kind == "random" and outcome.code == grpc.StatusCode.INVALID_ARGUMENT:
+                named = outcome.details.split(":", 1)[0]
+                if named not in case.fields and named != PROMPT:
+                    failures.append(f"blamed a field the request did not set: {where}")
+            if other is not None and (other.code, other.token_ids, other.text, other.finish_reason) != (
+                outcome.code, outcome.token_ids, outcome.text, outcome.finish_reason
+            ):
+                failures.append(f"unary and stream differ: {where} vs {other}")
+        print(f"fuzz: {requests} requests, {dict(codes)}")
+        assert not failures, f"{len(failures)} of {len(results)}:\n" + "\n".join(failures[:20])
+        assert requests >= 500 and codes["OK"] >= 150 and codes["INVALID_ARGUMENT"] >= 230, (requests, codes)
+
+        # Everything still serves, and nothing is left over.
+        for target in (address, fuzzed_stack.stack.target.address, fuzzed_stack.stack.draft.address):
+            with grpc.insecure_channel(target) as health_channel:
+                reply = health_pb2_grpc.HealthStub(health_channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        valid = Case("in-bounds", {PROMPT: "def add(a, b):", "max_new_tokens": 5, "ignore_eos": True}, False)
+        assert len(call(stub, valid.request(), False).token_ids) == 5
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = {
+            (service, name): gauge(fuzzed_stack, service, name)
+            for service in ("target", "draft")
+            for name in ("specwire_active_sessions", "specwire_kv_cache_tokens")
+        }
+        if not any(left.values()):
+            break
+        time.sleep(0.05)
+    assert not any(left.values()), left
+    assert time.monotonic() - started < 180
