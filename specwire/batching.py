@@ -1,0 +1,193 @@
+"""Continuous batching: every forward takes whatever the concurrent sessions have ready.
+
+Each session runs on its own thread and hands its forward (a `ForwardJob`: its rows, their new
+tokens, where they start) to the service's `Scheduler`. Whoever finds the model idle runs the
+forward itself, with every job queued by then, so a session alone never waits for a window
+and pays no thread hop; sessions that arrive during a forward are served together by the next
+one. A multi-step round is one job per step, so it batches step by step with the rest.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specwire.lean_forward import ForwardBatch, LeanModel
+from specwire.slot_cache import SlotCache
+
+# Jobs longer than this (prefills) run in a forward of their own, chunked to this size, so a
+# long prompt neither pads the decoders' batch nor holds them up for one long call.
+PREFILL_CHUNK = 64
+
+
+@dataclass
+class ForwardJob:
+    """Rows of one session with the same new-token count. Results are filled in by the scheduler."""
+
+    rows: list[int]
+    tokens: torch.Tensor  # [rows, n] long, CPU
+    start: int  # cache slot of the first new token (the rows' tokens before it are cached)
+    keep: int  # logits for the last `keep` new tokens of each row
+    positions: torch.Tensor | None = None  # [rows, n]; None = start + arange(n)
+    tree_mask: torch.Tensor | None = None  # [n, n] bool: new token i sees new token j; None = causal
+    want_hidden: bool = False
+    want_attention: bool = False
+    # results
+    logits: torch.Tensor | None = None  # [rows, keep, vocab] float32
+    hidden: torch.Tensor | None = None  # [rows, n, hidden]
+    attention_scores: torch.Tensor | None = None  # [rows, heads, n, start + n]
+    error: BaseException | None = None
+    done: bool = False
+    _wake: threading.Event = field(default_factory=threading.Event)  # done, or told to lead
+
+    @property
+    def new_tokens(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+@dataclass
+class SchedulerStats:
+    forwards: int = 0
+    rows: int = 0  # summed over forwards: rows per forward = rows / forwards
+    busy_s: float = 0.0
+
+
+class Scheduler:
+    """Runs `ForwardJob`s over one model and one slot cache, batching whatever is queued."""
+
+    def __init__(self, model: LeanModel, cache: SlotCache, device: torch.device) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self._mutex = threading.Lock()
+        self._queue: list[ForwardJob] = []
+        self._busy = False
+        self.stats = SchedulerStats()
+
+    def run(self, job: ForwardJob) -> ForwardJob:
+        """Queue `job` and return once its results are in (running forwards while leading)."""
+        if job.new_tokens > PREFILL_CHUNK and job.tree_mask is None and job.positions is None:
+            return self._run_chunked(job)
+        with self._mutex:
+            self._queue.append(job)
+            lead = not self._busy
+            self._busy = True
+        while True:
+            if not lead:
+                job._wake.wait()
+                job._wake.clear()
+                if job.done:
+                    break
+            self._lead_forwards(job)
+            if job.done:
+                break
+            lead = True
+        if job.error is not None:
+            raise job.error
+        return job
+
+    def _run_chunked(self, job: ForwardJob) -> ForwardJob:
+        """A long prefill as a sequence of PREFILL_CHUNK-token jobs, batched with the others."""
+        n = job.new_tokens
+        for begin in range(0, n, PREFILL_CHUNK):
+            end = min(n, begin + PREFILL_CHUNK)
+            keep = max(0, job.keep - (n - end))
+            part = self.run(ForwardJob(job.rows, job.tokens[:, begin:end], job.start + begin, max(keep, 1)))
+            if keep > 0:
+                assert part.logits is not None
+                job.logits = part.logits[:, -keep:] if job.logits is None else torch.cat([job.logits, part.logits[:, -keep:]], 1)
+        job.done = True
+        return job
+
+    def _lead_forwards(self, mine: ForwardJob) -> None:
+        """Run forwards over the queue until `mine` is done; then hand the lead on or go idle."""
+        while True:
+            with self._mutex:
+                batch, self._queue = self._queue, []
+            if batch:
+                self._execute(batch)
+            with self._mutex:
+                if not self._queue:
+                    self._busy = False
+                    return
+                if mine.done:
+                    self._queue[0]._wake.set()  # its thread leads from here
+                    return
+
+    def _execute(self, jobs: list[ForwardJob]) -> None:
+        started = time.perf_counter()
+        try:
+            self._forward(jobs)
+        except BaseException as error:  # every waiter must wake, with the reason
+            for job in jobs:
+                job.error = error
+        self.stats.forwards += 1
+        self.stats.rows += sum(len(job.rows) for job in jobs)
+        self.stats.busy_s += time.perf_counter() - started
+        for job in jobs:
+            job.done = True
+            job._wake.set()
+
+    @torch.inference_mode()
+    def _forward(self, jobs: list[ForwardJob]) -> None:
+        batch = build_batch(jobs, self.device)
+        out = self.model.forward(self.cache, batch, attention_scores=any(job.want_attention for job in jobs))
+        picked = []  # hidden states of the positions whose logits are wanted
+        first = 0
+        for job in jobs:
+            count, n = len(job.rows), job.new_tokens
+            hidden = out.hidden[first : first + count, :n]  # [rows, n, hidden]
+            picked.append(hidden[:, n - job.keep :].flatten(0, 1))
+            if job.want_hidden:
+                job.hidden = hidden
+            if job.want_attention and out.attention_scores is not None:
+                job.attention_scores = out.attention_scores[first : first + count, :, :n, : job.start + n]
+            for row in job.rows:
+                self.cache.lengths[row] = job.start + n
+            first += count
+        logits = self.model.logits(torch.cat(picked)).float()  # [Σ rows·keep, vocab]
+        offset = 0
+        for job in jobs:
+            size = len(job.rows) * job.keep
+            job.logits = logits[offset : offset + size].view(len(job.rows), job.keep, -1)
+            offset += size
+
+
+def build_batch(jobs: list[ForwardJob], device: torch.device) -> ForwardBatch:
+    """Pad the jobs' rows to one [B, T] batch with per-row slots, positions and key masks."""
+    rows = [row for job in jobs for row in job.rows]
+    T = max(job.new_tokens for job in jobs)
+    L = max(job.start + job.new_tokens for job in jobs)
+    B = len(rows)
+    input_ids = torch.zeros((B, T), dtype=torch.long)
+    slots = torch.zeros((B, T), dtype=torch.long)
+    positions = torch.zeros((B, T), dtype=torch.long)
+    key_mask = torch.zeros((B, T, L), dtype=torch.bool)
+    written = torch.zeros((B, T), dtype=torch.bool)
+    first = 0
+    for job in jobs:
+        count, n, start = len(job.rows), job.new_tokens, job.start
+        span = slice(first, first + count)
+        input_ids[span, :n] = job.tokens
+        slots[span, :n] = torch.arange(start, start + n)
+        positions[span, :n] = job.positions if job.positions is not None else torch.arange(start, start + n)
+        key_mask[span, :n, :start] = True
+        new = job.tree_mask if job.tree_mask is not None else torch.ones((n, n), dtype=torch.bool).tril()
+        key_mask[span, :n, start : start + n] = new
+        key_mask[span, n:, 0] = True  # padding queries look at one slot (no NaN); their output is dropped
+        written[span, :n] = True
+        first += count
+    contiguous = rows == list(range(rows[0], rows[0] + B))
+    return ForwardBatch(
+        rows=torch.tensor(rows, dtype=torch.long, device=device),
+        input_ids=input_ids.to(device),
+        slots=slots.to(device),
+        positions=positions.to(device),
+        key_mask=key_mask.to(device),
+        written=written.to(device),
+        contiguous_from=rows[0] if contiguous else None,
+        dense=bool(key_mask.all()),
+    )
