@@ -35,6 +35,7 @@ class ForwardJob:
     tree_mask: torch.Tensor | None = None  # [n, n] bool: new token i sees new token j; None = causal
     want_hidden: bool = False
     want_attention: bool = False
+    owner: object = None  # the session: its next job is awaited briefly after this one (see Scheduler)
     # results
     logits: torch.Tensor | None = None  # [rows, keep, vocab] float32
     hidden: torch.Tensor | None = None  # [rows, n, hidden]
@@ -56,16 +57,33 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """Runs `ForwardJob`s over one model and one slot cache, batching whatever is queued."""
+    """Runs `ForwardJob`s over one model and one slot cache, batching whatever is queued.
+
+    Sessions come back with their next job a little after their last one was served (their
+    processing, or a message over the wire), one by one. A leader that would start a forward
+    while some active session is still missing waits for it, up to half the last forward's time,
+    so the streams stay in step instead of splitting into ever smaller batches. A session that
+    misses that wait counts as inactive until its next job. A session alone never waits.
+    """
 
     def __init__(self, model: LeanModel, cache: SlotCache, device: torch.device) -> None:
         self.model = model
         self.cache = cache
         self.device = device
         self._mutex = threading.Lock()
+        self._arrived = threading.Condition(self._mutex)
         self._queue: list[ForwardJob] = []
         self._busy = False
+        self._active: set[int] = set()  # ids of owners expected to send another job soon
+        self._queued: set[int] = set()  # ids of owners with a job in the queue
+        self._last_forward_s = 0.0
         self.stats = SchedulerStats()
+
+    def forget(self, owner: object) -> None:
+        """`owner` sends no more jobs (its session closed): stop expecting it."""
+        with self._mutex:
+            self._active.discard(id(owner))
+            self._arrived.notify_all()
 
     def run(self, job: ForwardJob) -> ForwardJob:
         """Queue `job` and return once its results are in (running forwards while leading)."""
@@ -73,6 +91,10 @@ class Scheduler:
             return self._run_chunked(job)
         with self._mutex:
             self._queue.append(job)
+            if job.owner is not None:
+                self._active.add(id(job.owner))
+                self._queued.add(id(job.owner))
+            self._arrived.notify_all()
             lead = not self._busy
             self._busy = True
         while True:
@@ -106,7 +128,11 @@ class Scheduler:
         """Run forwards over the queue until `mine` is done; then hand the lead on or go idle."""
         while True:
             with self._mutex:
+                if not self._active <= self._queued:
+                    self._arrived.wait_for(lambda: self._active <= self._queued, timeout=self._last_forward_s / 2)
+                    self._active &= self._queued  # the late ones: inactive until they come back
                 batch, self._queue = self._queue, []
+                self._queued.clear()
             if batch:
                 self._execute(batch)
             with self._mutex:
@@ -126,7 +152,10 @@ class Scheduler:
                 job.error = error
         self.stats.forwards += 1
         self.stats.rows += sum(len(job.rows) for job in jobs)
-        self.stats.busy_s += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.stats.busy_s += elapsed
+        with self._mutex:
+            self._last_forward_s = elapsed
         for job in jobs:
             job.done = True
             job._wake.set()

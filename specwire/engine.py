@@ -405,7 +405,7 @@ class SlotKV:
     def forward(self, tokens: torch.Tensor, start: int, positions: int) -> torch.Tensor:
         self._enter()
         try:
-            job = self.scheduler.run(ForwardJob(list(self.rows), tokens[:, start:], start, positions))
+            job = self.scheduler.run(ForwardJob(list(self.rows), tokens[:, start:], start, positions, owner=self))
         finally:
             self._leave()
         self.cached = int(tokens.shape[1])
@@ -417,6 +417,7 @@ class SlotKV:
             self._closed = True
             if not self._busy:
                 self._release()
+        self.scheduler.forget(self)
 
 
 class EngineSession:
