@@ -19,6 +19,13 @@ in a freshly shuffled order, so drifting machine load spreads over all of them):
 Every row decodes greedily and ignores end-of-sequence (transformers: `eos_token_id=None`;
 specwire: `ignore_eos`), so every row generates exactly `max_new_tokens` tokens per prompt, and
 `matches_hf_target` records the share of (repeat, prompt) pairs whose tokens equal row (a)'s.
+With `--concurrency 1,2,4,8`, the report also has a top-level `concurrency` list: for each
+strategy (greedy; speculative when its row runs) and each stream count N, N `Generate` calls run
+at once from N threads, each on prompt i mod the prompts, `--repeats` times. Per entry:
+`aggregate_tokens_per_s` (all streams' tokens over the wall time of the round of N, median over
+repeats), `ratio_vs_one_stream` (over the N = 1 entry's), `p50_token_ms` / `p99_token_ms` (over
+streams and repeats, of a stream's wall time per token) and `matches_solo` (the share of streams
+whose tokens equal the N = 1 run on the same prompt).
 The specwire rows run against three real services started by `specwire.client.launcher.Stack` on
 loopback; time is measured by the client around each `Generate` call.
 
@@ -105,6 +112,7 @@ class BenchConfig:
     warmup: bool = True
     port: int = 0  # base port of the stacks (orchestrator; services on +1, +2; proxies +3, +4); 0 = free ones
     show_progress: bool = True
+    concurrency: tuple[int, ...] = ()  # stream counts of the concurrency measurement; () = none
 
 
 @dataclass
@@ -332,6 +340,48 @@ def specwire_sample(client: Any, strategy: str, prompt_ids: list[int], max_new_t
         orchestrator_ms=s.orchestrator_ms,
         bytes_total=s.target_bytes_sent + s.target_bytes_received + s.draft_bytes_sent + s.draft_bytes_received,
     )
+
+
+def concurrency_entries(
+    client: Any, strategy: str, prompt_ids: list[list[int]], levels: Sequence[int], max_new_tokens: int, gamma: int,
+    repeats: int,
+) -> list[dict[str, Any]]:
+    """N concurrent `Generate` calls per level (see the module docstring for the fields)."""
+    solo = {i: specwire_sample(client, strategy, ids, max_new_tokens, gamma).token_ids for i, ids in enumerate(prompt_ids)}
+    entries: list[dict[str, Any]] = []
+    for streams in levels:
+        rates: list[float] = []
+        per_token_ms: list[float] = []
+        matches: list[bool] = []
+        with ThreadPoolExecutor(max_workers=streams) as pool:
+            for _ in range(repeats):
+                which = [i % len(prompt_ids) for i in range(streams)]
+                started = time.perf_counter()
+                samples = list(
+                    pool.map(lambda i: specwire_sample(client, strategy, prompt_ids[i], max_new_tokens, gamma), which)
+                )
+                wall = time.perf_counter() - started
+                rates.append(sum(len(s.token_ids) for s in samples) / wall)
+                per_token_ms += [1e3 * s.seconds / max(1, len(s.token_ids)) for s in samples]
+                matches += [s.token_ids == solo[i] for s, i in zip(samples, which, strict=True)]
+        per_token_ms.sort()
+        entries.append({
+            "strategy": strategy,
+            "streams": streams,
+            "aggregate_tokens_per_s": statistics.median(rates),
+            "p50_token_ms": statistics.median(per_token_ms),
+            "p99_token_ms": per_token_ms[min(len(per_token_ms) - 1, int(0.99 * len(per_token_ms)))],
+            "matches_solo": sum(matches) / len(matches),
+        })
+    one = next((e["aggregate_tokens_per_s"] for e in entries if e["streams"] == 1), None)
+    for entry in entries:
+        entry["ratio_vs_one_stream"] = _ratio(entry["aggregate_tokens_per_s"], one) if one else None
+        entry["p50_ratio_vs_one_stream"] = None
+    one_p50 = next((e["p50_token_ms"] for e in entries if e["streams"] == 1), None)
+    if one_p50:
+        for entry in entries:
+            entry["p50_ratio_vs_one_stream"] = entry["p50_token_ms"] / one_p50
+    return entries
 
 
 # -- aggregation --------------------------------------------------------------------------------
@@ -574,6 +624,14 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         for result in results.values():
             if result.error:
                 result.samples = []
+        concurrency: list[dict[str, Any]] = []
+        if config.concurrency and "model" in clients:
+            levels = sorted(set(config.concurrency) | {1})
+            strategies = ["greedy"] + (["speculative"] if "specwire_speculative" in config.rows else [])
+            for strategy in strategies:
+                concurrency += concurrency_entries(
+                    clients["model"], strategy, prompt_ids, levels, config.max_new_tokens, config.gamma, config.repeats
+                )
         metadata = {
             "schema": SCHEMA,
             "target_model": config.target_model,
@@ -605,7 +663,10 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         for stack in stacks.values():
             stack.stop()
     metadata["duration_s"] = time.perf_counter() - began
-    return {"metadata": metadata, "rows": summarize(results)}
+    report: dict[str, Any] = {"metadata": metadata, "rows": summarize(results)}
+    if config.concurrency:
+        report["concurrency"] = concurrency
+    return report
 
 
 # -- output -------------------------------------------------------------------------------------
@@ -657,6 +718,24 @@ def markdown_table(report: dict[str, Any]) -> str:
             _fmt(row["matches_hf_target"]),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    if report.get("concurrency"):
+        lines += [
+            "",
+            "| strategy | streams | aggregate tok/s | × one stream | p50 ms/token | p99 ms/token | p50 × one stream | = solo |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for entry in report["concurrency"]:
+            cells = [
+                entry["strategy"],
+                str(entry["streams"]),
+                _fmt(entry["aggregate_tokens_per_s"], 1),
+                _fmt(entry["ratio_vs_one_stream"]),
+                _fmt(entry["p50_token_ms"]),
+                _fmt(entry["p99_token_ms"]),
+                _fmt(entry["p50_ratio_vs_one_stream"]),
+                _fmt(entry["matches_solo"]),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
     best = next((r["best_hf_assisted_row"] for r in report["rows"] if r["best_hf_assisted_row"]), None)
     lines.append("")
     lines.append(f"best HF assisted row: {best or '–'}; took {meta['duration_s']:.0f} s")
@@ -703,6 +782,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the row order shuffle")
     parser.add_argument("--port", type=int, default=0, help="base port of the stacks (0 = free ports)")
     parser.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up generation per row")
+    parser.add_argument(
+        "--concurrency", help="comma-separated stream counts (e.g. 1,2,4,8): concurrent generations per strategy"
+    )
     return parser
 
 
@@ -711,6 +793,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.max_new_tokens < 1 or args.repeats < 1 or args.gamma < 1:
         raise SystemExit("--max-new-tokens, --repeats and --gamma must be ≥ 1")
     rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else tuple(ROW_NAMES)
+    try:
+        concurrency = tuple(int(n) for n in args.concurrency.split(",")) if args.concurrency else ()
+    except ValueError:
+        raise SystemExit(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
+    if any(n < 1 for n in concurrency):
+        raise SystemExit("--concurrency: stream counts must be ≥ 1")
     return BenchConfig(
         target_model=target,
         draft_model=draft,
@@ -724,6 +812,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         warmup=not args.no_warmup,
         port=args.port,
+        concurrency=concurrency,
     )
 
 

@@ -42,7 +42,7 @@ from specwire.session import (
     StepRequest,
     StepResult,
 )
-from specwire.slot_cache import CacheUsage, SlotCache
+from specwire.slot_cache import SlotCache
 
 log = logging.getLogger("specwire")
 
@@ -403,14 +403,34 @@ class SlotKV:
             self._leave()
 
     def forward(self, tokens: torch.Tensor, start: int, positions: int) -> torch.Tensor:
-        self._enter()
-        try:
-            job = self.scheduler.run(ForwardJob(list(self.rows), tokens[:, start:], start, positions, owner=self))
-        finally:
-            self._leave()
-        self.cached = int(tokens.shape[1])
+        job = self.run(ForwardJob(list(self.rows), tokens[:, start:], start, positions))
         assert job.logits is not None
         return job.logits
+
+    def run(self, job: ForwardJob) -> ForwardJob:
+        """Hook for tree verification (Medusa) and attention statistics (entropix): run `job`
+        on this session's rows with its own positions, tree mask, hidden-state and attention
+        requests (see `ForwardJob`). The rows then hold job.start + n positions; `keep_path`
+        compacts an accepted subset. `forward` is this with the defaults (causal, logits only)."""
+        self._enter()
+        try:
+            job.rows, job.owner = list(self.rows), self
+            self.scheduler.run(job)
+        finally:
+            self._leave()
+        self.cached = job.start + job.new_tokens
+        return job
+
+    def keep_path(self, start: int, kept: list[int]) -> None:
+        """Keep the just-appended positions start+kept[i] (ascending offsets) at start+i in every
+        row, and cut the rows there: an accepted tree path becomes an ordinary prefix."""
+        self._enter()
+        try:
+            for row in self.rows:
+                self.cache.keep_positions(row, start, kept)
+            self.cached = start + len(kept)
+        finally:
+            self._leave()
 
     def close(self) -> None:
         with self._lock:

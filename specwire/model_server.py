@@ -62,6 +62,9 @@ async def run(config: ModelServiceConfig, build_backend: BackendFactory) -> None
         log.info("%s: %s on %s (%s), vocab %d", config.role, info.model_name, info.device, info.dtype, info.vocab_size)
         if metrics is not None:
             metrics.describe(config.role, info.model_name, info.device, info.dtype)
+            cache = getattr(backend, "cache", None)
+            if cache is not None:
+                metrics.watch_cache(cache.usage)
 
     metrics_server = serve_metrics(metrics.registry, config.host, observe.metrics_port) if metrics else None
     try:

@@ -45,13 +45,9 @@ class CacheUsage:
     rows_in_use: int
     max_len: int
     tokens_in_use: int
+    bytes_in_use: int
     bytes_total: int
-    bytes_per_token: int
     waiting: int
-
-    @property
-    def bytes_in_use(self) -> int:
-        return self.tokens_in_use * self.bytes_per_token
 
 
 class SlotCache:
@@ -113,13 +109,14 @@ class SlotCache:
         with self._changed:
             free = set(self._free)
             used = [row for row in range(self.shape.rows) if row not in free]
+            tokens = sum(self.lengths[row] for row in used)
             return CacheUsage(
                 rows=self.shape.rows,
                 rows_in_use=len(used),
                 max_len=self.shape.max_len,
-                tokens_in_use=sum(self.lengths[row] for row in used),
+                tokens_in_use=tokens,
+                bytes_in_use=tokens * self.shape.bytes_per_token,
                 bytes_total=self.shape.bytes,
-                bytes_per_token=self.shape.bytes_per_token,
                 waiting=self._waiting,
             )
 
