@@ -53,6 +53,7 @@ class ForwardJob:
 class SchedulerStats:
     forwards: int = 0
     rows: int = 0  # summed over forwards: rows per forward = rows / forwards
+    max_rows: int = 0  # the widest forward so far
     busy_s: float = 0.0
 
 
@@ -151,7 +152,9 @@ class Scheduler:
             for job in jobs:
                 job.error = error
         self.stats.forwards += 1
-        self.stats.rows += sum(len(job.rows) for job in jobs)
+        rows = sum(len(job.rows) for job in jobs)
+        self.stats.rows += rows
+        self.stats.max_rows = max(self.stats.max_rows, rows)
         elapsed = time.perf_counter() - started
         self.stats.busy_s += elapsed
         with self._mutex:
