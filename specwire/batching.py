@@ -134,8 +134,11 @@ class Scheduler:
                     self._active &= self._queued  # the late ones: inactive until they come back
                 batch, self._queue = self._queue, []
                 self._queued.clear()
-            if batch:
-                self._execute(batch)
+            # A job wider than PREFILL_CHUNK (a wide tree) runs alone: nothing pads past SLACK.
+            wide = [job for job in batch if job.new_tokens > PREFILL_CHUNK]
+            for group in [[job] for job in wide] + [[job for job in batch if job.new_tokens <= PREFILL_CHUNK]]:
+                if group:
+                    self._execute(group)
             with self._mutex:
                 if not self._queue:
                     self._busy = False
@@ -165,7 +168,7 @@ class Scheduler:
 
     @torch.inference_mode()
     def _forward(self, jobs: list[ForwardJob]) -> None:
-        batch = build_batch(jobs, self.device)
+        batch = build_batch(jobs, self.device, self.cache.scratch_row)
         out = self.model.forward(self.cache, batch, attention_scores=any(job.want_attention for job in jobs))
         picked = []  # hidden states of the positions whose logits are wanted
         first = 0
@@ -188,29 +191,49 @@ class Scheduler:
             offset += size
 
 
-def build_batch(jobs: list[ForwardJob], device: torch.device) -> ForwardBatch:
-    """Pad the jobs' rows to one [B, T] batch with per-row slots, positions and key masks."""
+def bucket(size: int) -> int:
+    """The next power of two: the row counts compiled code is specialised for."""
+    return 1 << max(0, size - 1).bit_length()
+
+
+def build_batch(
+    jobs: list[ForwardJob], device: torch.device, scratch_row: int, pad_rows: bool = False, key_multiple: int = 1
+) -> ForwardBatch:
+    """Pad the jobs' rows to one [B, T] batch with per-row slots, positions and key masks.
+
+    `pad_rows` rounds B up to a power of two with rows of the scratch row, and `key_multiple`
+    rounds the slots looked at (L) up, so compiled code sees few distinct shapes.
+    """
     rows = [row for job in jobs for row in job.rows]
+    counts = [len(job.rows) for job in jobs]
     T = max(job.new_tokens for job in jobs)
     L = max(job.start + job.new_tokens for job in jobs)
-    B = len(rows)
+    L = -(-L // key_multiple) * key_multiple
+    B = bucket(len(rows)) if pad_rows else len(rows)
+    starts = torch.tensor([job.start for job in jobs]).repeat_interleave(torch.tensor(counts))  # [rows]
+    lengths = torch.tensor([job.new_tokens for job in jobs]).repeat_interleave(torch.tensor(counts))  # [rows]
+    if len(rows) < B:  # padding rows: the scratch row, one token at slot 0
+        starts = torch.cat([starts, torch.zeros(B - len(rows), dtype=torch.long)])
+        lengths = torch.cat([lengths, torch.ones(B - len(rows), dtype=torch.long)])
+        rows = rows + [scratch_row] * (B - len(rows))
+    offsets = torch.arange(T)
+    slots = starts[:, None] + offsets  # [B, T]
+    written = offsets < lengths[:, None]  # [B, T]: real tokens
     input_ids = torch.zeros((B, T), dtype=torch.long)
-    slots = torch.zeros((B, T), dtype=torch.long)
-    positions = torch.zeros((B, T), dtype=torch.long)
-    key_mask = torch.zeros((B, T, L), dtype=torch.bool)
-    written = torch.zeros((B, T), dtype=torch.bool)
     first = 0
-    for job in jobs:
-        count, n, start = len(job.rows), job.new_tokens, job.start
-        span = slice(first, first + count)
-        input_ids[span, :n] = job.tokens
-        slots[span, :n] = torch.arange(start, start + n)
-        positions[span, :n] = job.positions if job.positions is not None else torch.arange(start, start + n)
-        key_mask[span, :n, :start] = True
-        new = job.tree_mask if job.tree_mask is not None else torch.ones((n, n), dtype=torch.bool).tril()
-        key_mask[span, :n, start : start + n] = new
-        key_mask[span, n:, 0] = True  # padding queries look at one slot (no NaN); their output is dropped
-        written[span, :n] = True
+    for job, count in zip(jobs, counts, strict=True):
+        input_ids[first : first + count, : job.new_tokens] = job.tokens
+        first += count
+    # Causal over the cache: token t of a row sees slots ≤ its own; padding sees slot 0 only (no NaN).
+    key_mask = torch.arange(L) <= torch.where(written, slots, 0)[:, :, None]  # [B, T, L]
+    positions = slots.clone()
+    first = 0
+    for job, count in zip(jobs, counts, strict=True):
+        n, start = job.new_tokens, job.start
+        if job.positions is not None:
+            positions[first : first + count, :n] = job.positions
+        if job.tree_mask is not None:
+            key_mask[first : first + count, :n, start : start + n] = job.tree_mask
         first += count
     contiguous = rows == list(range(rows[0], rows[0] + B))
     return ForwardBatch(
@@ -219,7 +242,6 @@ def build_batch(jobs: list[ForwardJob], device: torch.device) -> ForwardBatch:
         slots=slots.to(device),
         positions=positions.to(device),
         key_mask=key_mask.to(device),
-        written=written.to(device),
         contiguous_from=rows[0] if contiguous else None,
         dense=bool(key_mask.all()),
     )

@@ -596,16 +596,17 @@ class EngineSession:
         for index in range(count):
             logits = self._forward(1)[:, 0]  # [branches, vocab]
             history = self.tokens.to(logits.device)
+            gated = index > 0 and min_confidence > 0  # the confidence is only worked out when it can stop
             if greedy:
                 scores = greedy_scores(logits, history, self.processing)
                 token = scores.argmax(dim=-1, keepdim=True)
-                confidence = scores.softmax(dim=-1).amax(dim=-1).min()
+                confidence = scores.softmax(dim=-1).amax(dim=-1).min() if gated else None
             else:
                 probs = sampling_probs(logits, history, self.processing)
                 token = torch.multinomial(probs, 1, generator=generator)
                 confidence = probs.amax(dim=-1).min()
                 dists.append(probs)
-            if index > 0 and float(confidence) < min_confidence:
+            if gated and float(cast(torch.Tensor, confidence)) < min_confidence:
                 if dists:
                     dists.pop()
                 break

@@ -26,14 +26,15 @@ from specwire.slot_cache import CacheShape, SlotCache
 
 @dataclass
 class ForwardBatch:
-    """B rows × T new tokens; padding tokens have `written` False. L = cache slots looked at."""
+    """B rows × T new tokens (padding included); L = cache slots looked at."""
 
     rows: torch.Tensor  # [B] long: the cache rows
     input_ids: torch.Tensor  # [B, T] long
     slots: torch.Tensor  # [B, T] long: where each new token's key/value is written
     positions: torch.Tensor  # [B, T] long: its position (rotary / learned embedding)
     key_mask: torch.Tensor  # [B, T, L] bool: cache slots each new token attends to (its own included)
-    written: torch.Tensor  # [B, T] bool: real tokens (padding is neither written nor read)
+    # Every token is written, padding too: padding slots lie past their row's length (or in the
+    # scratch row), where nothing reads them before a real token overwrites them.
     contiguous_from: int | None = None  # rows are range(contiguous_from, +B): slice, don't gather
     dense: bool = False  # key_mask is all True (no mask needed)
 
@@ -63,11 +64,9 @@ def _attend(
     scores_out: list[torch.Tensor] | None,
 ) -> torch.Tensor:
     """Write the new keys/values into their slots, attend over the rows' slots: [B, T, Hq·D]."""
-    written = batch.written
-    rows = batch.rows.unsqueeze(1).expand_as(written)[written]  # [N]
-    slots = batch.slots[written]  # [N]
-    cache.keys[layer][rows, :, slots] = key.transpose(1, 2)[written]  # [N, Hkv, D] at (row, :, slot)
-    cache.values[layer][rows, :, slots] = value.transpose(1, 2)[written]
+    rows = batch.rows.unsqueeze(1)  # [B, 1], broadcast against slots [B, T]
+    cache.keys[layer][rows, :, batch.slots] = key.transpose(1, 2)  # [B, T, Hkv, D] at (row, :, slot)
+    cache.values[layer][rows, :, batch.slots] = value.transpose(1, 2)
     length = batch.key_mask.shape[-1]
     if batch.contiguous_from is not None:
         first = batch.contiguous_from

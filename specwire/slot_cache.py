@@ -1,6 +1,8 @@
 """One preallocated KV cache per model service, in rows that sessions own.
 
-Keys and values of every layer live in two tensors `[layers, rows, kv_heads, max_len, head_dim]`.
+Keys and values of every layer live in two tensors `[layers, rows + 1, kv_heads, max_len + SLACK,
+head_dim]`. The extra row and positions are scratch space for a batch's padding: a padded forward
+writes every token it computes, so no write depends on the data (which compiled code wants).
 A session owns one row per branch; a row's *length* says how many leading positions hold valid
 keys, so truncation is a length change. Fork and reorder copy rows. Rows return to the free
 pool when the session closes, however its stream ended. When no row is free, a caller waits —
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from specwire.errors import ResourceExhausted
+
+SLACK = 64  # positions past max_len a padding token may be written to; longer jobs never pad
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ class CacheShape:
 
     @property
     def bytes(self) -> int:
-        return self.bytes_per_token * self.rows * self.max_len
+        return self.bytes_per_token * (self.rows + 1) * (self.max_len + SLACK)
 
 
 @dataclass(frozen=True)
@@ -56,11 +60,12 @@ class SlotCache:
     def __init__(self, shape: CacheShape, device: torch.device, max_waiting: int = 64) -> None:
         self.shape = shape
         self.device = device
-        size = (shape.layers, shape.rows, shape.kv_heads, shape.max_len, shape.head_dim)
+        size = (shape.layers, shape.rows + 1, shape.kv_heads, shape.max_len + SLACK, shape.head_dim)
+        self.scratch_row = shape.rows  # padding rows of a batch read and write here
         # Zeros, not garbage: a padded slot is masked out of attention, but 0 × NaN would not be.
         self.keys = torch.zeros(size, dtype=shape.dtype, device=device)
         self.values = torch.zeros(size, dtype=shape.dtype, device=device)
-        self.lengths = [0] * shape.rows
+        self.lengths = [0] * (shape.rows + 1)
         self._free = list(range(shape.rows - 1, -1, -1))  # pop() hands out low rows first
         self._changed = threading.Condition()
         self._waiting = 0
