@@ -50,6 +50,10 @@ def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: i
         "--engine", default="batched", choices=["batched", "hf"],
         help="batched: slot cache and cross-session batching; hf: transformers' forward, one session at a time",
     )
+    parser.add_argument(
+        "--compile", default="auto", choices=["auto", "on", "off"],
+        help="torch.compile the batched forward (CUDA graphs on CUDA); auto = on CUDA only",
+    )
     if role == "draft":
         parser.add_argument("--drafter", default="model", choices=["model", "ngram"])
         parser.add_argument("--ngram-max", type=int, default=3, help="n-gram drafter: longest n-gram to match")
@@ -332,6 +336,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_cache_len=args.max_cache_len,
         max_queued_sessions=args.max_queued_sessions,
         engine=args.engine,
+        compile=args.compile,
         drafter=getattr(args, "drafter", "model"),
         ngram_max=getattr(args, "ngram_max", 3),
         ngram_min=getattr(args, "ngram_min", 1),

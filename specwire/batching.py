@@ -9,14 +9,20 @@ one. A multi-step round is one job per step, so it batches step by step with the
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from specwire.lean_forward import ForwardBatch, LeanModel
+from specwire.lean_forward import ForwardBatch, ForwardOutput, LeanModel
 from specwire.slot_cache import SlotCache
+
+log = logging.getLogger("specwire")
 
 # Jobs longer than this (prefills) run in a forward of their own, chunked to this size, so a
 # long prompt neither pads the decoders' batch nor holds them up for one long call.
@@ -79,6 +85,32 @@ class Scheduler:
         self._queued: set[int] = set()  # ids of owners with a job in the queue
         self._last_forward_s = 0.0
         self.stats = SchedulerStats()
+        self._compiled: Callable[..., ForwardOutput] | None = None
+
+    def compile(self, warm_rows: tuple[int, ...] = (1, 2, 4, 8), warm_tokens: tuple[int, ...] = (1,)) -> bool:
+        """Run forwards through `torch.compile` (CUDA graphs too on CUDA), shapes bucketed: rows
+        to powers of two, slots looked at to multiples of 64. Compiles the common buckets now
+        (decode at 1, 2, 4, 8 rows) and logs the time; on failure logs why and stays eager.
+        The compiled code is cached on disk (TORCHINDUCTOR_CACHE_DIR) for the next start."""
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "specwire" / "inductor"))
+        mode = "reduce-overhead" if self.device.type == "cuda" else None  # reduce-overhead = CUDA graphs
+        started = time.perf_counter()
+        try:
+            # CPU: one graph over symbolic shapes. CUDA: a graph per bucket shape (CUDA graphs want
+            # static shapes), so the recompile limit must cover the buckets.
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self._compiled = torch.compile(self.model.forward, dynamic=True if self.device.type == "cpu" else None, mode=mode)
+            scratch = self.cache.scratch_row
+            for rows in warm_rows:
+                for tokens in warm_tokens:
+                    job = ForwardJob([scratch] * rows, torch.zeros((rows, tokens), dtype=torch.long), 0, 1)
+                    self._forward([job])
+        except Exception as error:  # any compiler failure: serve eagerly
+            self._compiled = None
+            log.warning("torch.compile failed, serving eagerly: %s: %s", type(error).__name__, error)
+            return False
+        log.info("compiled the forward (%s) in %.1f s", self.device.type, time.perf_counter() - started)
+        return True
 
     def forget(self, owner: object) -> None:
         """`owner` sends no more jobs (its session closed): stop expecting it."""
@@ -168,8 +200,14 @@ class Scheduler:
 
     @torch.inference_mode()
     def _forward(self, jobs: list[ForwardJob]) -> None:
-        batch = build_batch(jobs, self.device, self.cache.scratch_row)
-        out = self.model.forward(self.cache, batch, attention_scores=any(job.want_attention for job in jobs))
+        scores = any(job.want_attention for job in jobs)
+        if self._compiled is not None and not scores:
+            batch = build_batch(jobs, self.device, self.cache.scratch_row, pad_rows=True, key_multiple=64)
+            batch.contiguous_from, batch.dense = None, False  # one graph for every batch of a bucket
+            out = self._compiled(self.cache, batch)
+        else:
+            batch = build_batch(jobs, self.device, self.cache.scratch_row)
+            out = self.model.forward(self.cache, batch, attention_scores=scores)
         picked = []  # hidden states of the positions whose logits are wanted
         first = 0
         for job in jobs:

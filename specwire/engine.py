@@ -156,6 +156,9 @@ class EngineLimits:
     max_queued_sessions: int = 64  # sessions waiting for free rows before RESOURCE_EXHAUSTED
     queue_timeout_s: float = 30.0  # longest wait for free rows
     batching: bool = True  # False: transformers' forward, one DynamicCache per session, no batching
+    # torch.compile of the batched forward: "on", "off", or "auto" = on CUDA only (on this
+    # project's CPU measurements the compiled step was slower than the eager one; see README).
+    compile: str = "auto"
 
 
 def _available_memory(device: torch.device) -> int:
@@ -200,6 +203,10 @@ class Engine:
             log.info(
                 "%s: slot cache of %d rows × %d tokens (%.1f MiB)", role, rows, max_len, self.cache.shape.bytes / 2**20
             )
+            if self.limits.compile not in ("auto", "on", "off"):
+                raise ValueError(f"--compile must be auto, on or off; got {self.limits.compile!r}")
+            if self.limits.compile == "on" or (self.limits.compile == "auto" and lm.device.type == "cuda"):
+                self.scheduler.compile()
 
     @property
     def batches(self) -> bool:

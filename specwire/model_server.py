@@ -36,6 +36,7 @@ def load_engine(config: ModelServiceConfig, default_model: str, default_name: st
         max_cache_len=config.max_cache_len,
         max_queued_sessions=config.max_queued_sessions,
         batching=config.engine == "batched",
+        compile=config.compile,
     )
     engine = Engine(lm, role=config.role, limits=limits)
     engine.warmup()
