@@ -41,7 +41,8 @@ class ForwardJob:
     tree_mask: torch.Tensor | None = None  # [n, n] bool: new token i sees new token j; None = causal
     want_hidden: bool = False
     want_attention: bool = False
-    owner: object = None  # the session: its next job is awaited briefly after this one (see Scheduler)
+    owner: object = None  # the session the job comes from
+    more: bool = False  # the owner sends its next job right after this one (a multi-step round)
     # results
     logits: torch.Tensor | None = None  # [rows, keep, vocab] float32
     hidden: torch.Tensor | None = None  # [rows, n, hidden]
@@ -66,11 +67,11 @@ class SchedulerStats:
 class Scheduler:
     """Runs `ForwardJob`s over one model and one slot cache, batching whatever is queued.
 
-    Sessions come back with their next job a little after their last one was served (their
-    processing, or a message over the wire), one by one. A leader that would start a forward
-    while some active session is still missing waits for it, up to half the last forward's time,
-    so the streams stay in step instead of splitting into ever smaller batches. A session that
-    misses that wait counts as inactive until its next job. A session alone never waits.
+    In a multi-step round (proposals, multi-token greedy) a session comes back with its next
+    job a moment after the last one was served, once it has picked its token. A leader that
+    would start a forward while such a session is still missing waits for it, up to half the
+    last forward's time, so the streams stay in step instead of splitting into ever smaller
+    batches. Sessions gone over the wire are not waited for. A session alone never waits.
     """
 
     def __init__(self, model: LeanModel, cache: SlotCache, device: torch.device) -> None:
@@ -81,8 +82,7 @@ class Scheduler:
         self._arrived = threading.Condition(self._mutex)
         self._queue: list[ForwardJob] = []
         self._busy = False
-        self._active: set[int] = set()  # ids of owners expected to send another job soon
-        self._queued: set[int] = set()  # ids of owners with a job in the queue
+        self._awaited: set[int] = set()  # ids of owners served with `more` that have not come back
         self._last_forward_s = 0.0
         self.stats = SchedulerStats()
         self._compiled: Callable[..., ForwardOutput] | None = None
@@ -115,7 +115,7 @@ class Scheduler:
     def forget(self, owner: object) -> None:
         """`owner` sends no more jobs (its session closed): stop expecting it."""
         with self._mutex:
-            self._active.discard(id(owner))
+            self._awaited.discard(id(owner))
             self._arrived.notify_all()
 
     def run(self, job: ForwardJob) -> ForwardJob:
@@ -124,10 +124,9 @@ class Scheduler:
             return self._run_chunked(job)
         with self._mutex:
             self._queue.append(job)
-            if job.owner is not None:
-                self._active.add(id(job.owner))
-                self._queued.add(id(job.owner))
-            self._arrived.notify_all()
+            if self._awaited:
+                self._awaited.discard(id(job.owner))
+                self._arrived.notify_all()
             lead = not self._busy
             self._busy = True
         while True:
@@ -161,11 +160,10 @@ class Scheduler:
         """Run forwards over the queue until `mine` is done; then hand the lead on or go idle."""
         while True:
             with self._mutex:
-                if not self._active <= self._queued:
-                    self._arrived.wait_for(lambda: self._active <= self._queued, timeout=self._last_forward_s / 2)
-                    self._active &= self._queued  # the late ones: inactive until they come back
+                if self._awaited:
+                    self._arrived.wait_for(lambda: not self._awaited, timeout=self._last_forward_s / 2)
+                    self._awaited.clear()  # the late ones join a later forward
                 batch, self._queue = self._queue, []
-                self._queued.clear()
             # A job wider than PREFILL_CHUNK (a wide tree) runs alone: nothing pads past SLACK.
             wide = [job for job in batch if job.new_tokens > PREFILL_CHUNK]
             for group in [[job] for job in wide] + [[job for job in batch if job.new_tokens <= PREFILL_CHUNK]]:
@@ -194,6 +192,7 @@ class Scheduler:
         self.stats.busy_s += elapsed
         with self._mutex:
             self._last_forward_s = elapsed
+            self._awaited |= {id(job.owner) for job in jobs if job.more and job.owner is not None}
         for job in jobs:
             job.done = True
             job._wake.set()

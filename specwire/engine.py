@@ -286,7 +286,7 @@ class SessionKV(Protocol):
 
     def reorder(self, order: list[int]) -> None: ...
 
-    def forward(self, tokens: torch.Tensor, start: int, positions: int) -> torch.Tensor: ...
+    def forward(self, tokens: torch.Tensor, start: int, positions: int, more: bool = False) -> torch.Tensor: ...
 
     def close(self) -> None: ...
 
@@ -315,7 +315,7 @@ class DynamicKV:
             self.cache.reorder_cache(cast(torch.LongTensor, index))
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start: int, positions: int) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start: int, positions: int, more: bool = False) -> torch.Tensor:
         if self.cache is None:
             self.cache = DynamicCache()
         device = self.lm.device
@@ -409,8 +409,9 @@ class SlotKV:
         finally:
             self._leave()
 
-    def forward(self, tokens: torch.Tensor, start: int, positions: int) -> torch.Tensor:
-        job = self.run(ForwardJob(list(self.rows), tokens[:, start:], start, positions))
+    def forward(self, tokens: torch.Tensor, start: int, positions: int, more: bool = False) -> torch.Tensor:
+        """`more`: the session's next forward follows at once (the scheduler waits for it)."""
+        job = self.run(ForwardJob(list(self.rows), tokens[:, start:], start, positions, more=more))
         assert job.logits is not None
         return job.logits
 
@@ -535,23 +536,24 @@ class EngineSession:
 
     # -- forward passes ------------------------------------------------------------------
 
-    def _forward(self, positions: int) -> torch.Tensor:
-        """Logits for each branch's last `positions` tokens: [branches, positions, vocab] float32."""
+    def _forward(self, positions: int, more: bool = False) -> torch.Tensor:
+        """Logits for each branch's last `positions` tokens: [branches, positions, vocab] float32.
+        `more`: another forward of this message follows right away."""
         start = min(self.kv.cached, self.length - positions)
         if start < self.kv.cached:
             self.kv.crop(start)
-        logits = self.kv.forward(self.tokens, start, positions)
+        logits = self.kv.forward(self.tokens, start, positions, more)
         self.forward_calls += 1
         return logits
 
-    def _score(self, scoring: Scoring) -> Scores | None:
+    def _score(self, scoring: Scoring, more: bool = False) -> Scores | None:
         if scoring.kind == ScoreKind.NONE:
             return None
         positions = scoring.positions
         if not 1 <= positions <= self.length:
             raise InvalidArgument("scoring.positions", f"must be in [1, {self.length}], got {positions}")
         score_ids = self._score_ids(scoring)  # checked before paying for a forward pass
-        logits = self._forward(positions)  # [branches, positions, vocab]
+        logits = self._forward(positions, more)  # [branches, positions, vocab]
         per_position = []
         for j in range(positions):
             history = self.tokens[:, : self.length - positions + j + 1].to(logits.device)
@@ -601,7 +603,7 @@ class EngineSession:
         drawn: list[torch.Tensor] = []
         dists: list[torch.Tensor] = []
         for index in range(count):
-            logits = self._forward(1)[:, 0]  # [branches, vocab]
+            logits = self._forward(1, more=index + 1 < count)[:, 0]  # [branches, vocab]
             history = self.tokens.to(logits.device)
             gated = index > 0 and min_confidence > 0  # the confidence is only worked out when it can stop
             if greedy:
@@ -627,7 +629,7 @@ class EngineSession:
 
     def _finish(self, scoring: Scoring, propose: int, greedy: bool, seed: int, min_confidence: float) -> StepResult:
         calls_before = self.forward_calls
-        scores = self._score(scoring)
+        scores = self._score(scoring, more=propose > 0)
         proposed, proposal_scores = None, None
         if propose > 0:
             self._check_length(self.length + propose, "propose")
