@@ -23,7 +23,8 @@ With `--concurrency 1,2,4,8`, the report also has a top-level `concurrency` list
 strategy (greedy; speculative when its row runs) and each stream count N, N `Generate` calls run
 at once from N threads, each on prompt i mod the prompts, `--repeats` times. Per entry:
 `aggregate_tokens_per_s` (all streams' tokens over the wall time of the round of N, median over
-repeats), `ratio_vs_one_stream` (over the N = 1 entry's), `p50_token_ms` / `p99_token_ms` (over
+repeats; each repeat runs the levels in a shuffled order), `ratio_vs_one_stream` (the median over
+repeats of the rate over one stream's in the same repeat), `p50_token_ms` / `p99_token_ms` (over
 streams and repeats, of a stream's wall time per token) and `matches_solo` (the share of streams
 whose tokens equal the N = 1 run on the same prompt).
 The specwire rows run against three real services started by `specwire.client.launcher.Stack` on
@@ -344,43 +345,46 @@ def specwire_sample(client: Any, strategy: str, prompt_ids: list[int], max_new_t
 
 def concurrency_entries(
     client: Any, strategy: str, prompt_ids: list[list[int]], levels: Sequence[int], max_new_tokens: int, gamma: int,
-    repeats: int,
+    repeats: int, seed: int = 0,
 ) -> list[dict[str, Any]]:
-    """N concurrent `Generate` calls per level (see the module docstring for the fields)."""
+    """N concurrent `Generate` calls per level (see the module docstring for the fields). Each
+    repeat runs every level once, in a freshly shuffled order, so load drift spreads over all."""
     solo = {i: specwire_sample(client, strategy, ids, max_new_tokens, gamma).token_ids for i, ids in enumerate(prompt_ids)}
-    entries: list[dict[str, Any]] = []
-    for streams in levels:
-        rates: list[float] = []
-        per_token_ms: list[float] = []
-        matches: list[bool] = []
-        with ThreadPoolExecutor(max_workers=streams) as pool:
-            for _ in range(repeats):
+    rates: dict[int, list[float]] = {n: [] for n in levels}
+    per_token_ms: dict[int, list[float]] = {n: [] for n in levels}
+    matches: dict[int, list[bool]] = {n: [] for n in levels}
+    rng = random.Random(seed)
+    with ThreadPoolExecutor(max_workers=max(levels)) as pool:
+        for _ in range(repeats):
+            order = list(levels)
+            rng.shuffle(order)
+            for streams in order:
                 which = [i % len(prompt_ids) for i in range(streams)]
                 started = time.perf_counter()
                 samples = list(
                     pool.map(lambda i: specwire_sample(client, strategy, prompt_ids[i], max_new_tokens, gamma), which)
                 )
                 wall = time.perf_counter() - started
-                rates.append(sum(len(s.token_ids) for s in samples) / wall)
-                per_token_ms += [1e3 * s.seconds / max(1, len(s.token_ids)) for s in samples]
-                matches += [s.token_ids == solo[i] for s, i in zip(samples, which, strict=True)]
-        per_token_ms.sort()
+                rates[streams].append(sum(len(s.token_ids) for s in samples) / wall)
+                per_token_ms[streams] += [1e3 * s.seconds / max(1, len(s.token_ids)) for s in samples]
+                matches[streams] += [s.token_ids == solo[i] for s, i in zip(samples, which, strict=True)]
+    entries: list[dict[str, Any]] = []
+    for streams in levels:
+        latencies = sorted(per_token_ms[streams])
         entries.append({
             "strategy": strategy,
             "streams": streams,
-            "aggregate_tokens_per_s": statistics.median(rates),
-            "p50_token_ms": statistics.median(per_token_ms),
-            "p99_token_ms": per_token_ms[min(len(per_token_ms) - 1, int(0.99 * len(per_token_ms)))],
-            "matches_solo": sum(matches) / len(matches),
+            "aggregate_tokens_per_s": statistics.median(rates[streams]),
+            "p50_token_ms": statistics.median(latencies),
+            "p99_token_ms": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+            "matches_solo": sum(matches[streams]) / len(matches[streams]),
         })
-    one = next((e["aggregate_tokens_per_s"] for e in entries if e["streams"] == 1), None)
+    one = entries[0] if levels[0] == 1 else None
     for entry in entries:
-        entry["ratio_vs_one_stream"] = _ratio(entry["aggregate_tokens_per_s"], one) if one else None
-        entry["p50_ratio_vs_one_stream"] = None
-    one_p50 = next((e["p50_token_ms"] for e in entries if e["streams"] == 1), None)
-    if one_p50:
-        for entry in entries:
-            entry["p50_ratio_vs_one_stream"] = entry["p50_token_ms"] / one_p50
+        # Paired: this level's rate over one stream's in the same repeat, median over repeats.
+        paired = [n / o for n, o in zip(rates[entry["streams"]], rates[1], strict=True)] if one else []
+        entry["ratio_vs_one_stream"] = statistics.median(paired) if paired else None
+        entry["p50_ratio_vs_one_stream"] = _ratio(entry["p50_token_ms"], one["p50_token_ms"]) if one else None
     return entries
 
 
@@ -630,7 +634,8 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             strategies = ["greedy"] + (["speculative"] if "specwire_speculative" in config.rows else [])
             for strategy in strategies:
                 concurrency += concurrency_entries(
-                    clients["model"], strategy, prompt_ids, levels, config.max_new_tokens, config.gamma, config.repeats
+                    clients["model"], strategy, prompt_ids, levels, config.max_new_tokens, config.gamma, config.repeats,
+                    config.seed,
                 )
         metadata = {
             "schema": SCHEMA,
