@@ -199,3 +199,25 @@ def test_attention_scores_hook_returns_the_last_layers_scores(llama_target_dir: 
     scores = job.attention_scores
     assert scores is not None and scores.shape == (1, 4, 3, 3)  # [rows, heads, new, slots]
     assert torch.isinf(scores[0, :, 0, 1:]).all() and torch.isfinite(scores[0, :, 2]).all()  # causal
+
+
+def test_cache_use_is_reported_in_info_and_metrics(llama_target_dir: Path) -> None:
+    from specwire import wire
+    from specwire.metrics import ModelServiceMetrics
+
+    lean = engine(llama_target_dir, max_batch_rows=4, max_cache_len=64)
+    assert lean.cache is not None
+    metrics = ModelServiceMetrics("target", process_metrics=False)
+    metrics.watch_cache(lean.cache.usage)
+    session = lean.new_session()
+    session.open(OpenRequest(prompt_ids=[1, 2, 3, 4, 5], num_branches=2, scoring=Scoring(ScoreKind.ARGMAX)))
+    info = wire.info_from_pb(wire.info_to_pb(lean.info()))  # what a caller of Info sees
+    assert info.cache is not None and "batching" in info.capabilities
+    assert (info.cache.rows, info.cache.rows_in_use, info.cache.max_len, info.cache.tokens_in_use) == (4, 2, 64, 10)
+    assert info.cache.bytes_in_use == 10 * lean.cache.shape.bytes_per_token
+    sample = metrics.registry.get_sample_value
+    assert sample("specwire_kv_cache_rows", {"state": "in_use"}) == 2
+    assert sample("specwire_kv_cache_rows", {"state": "free"}) == 2
+    assert sample("specwire_kv_cache_slot_tokens") == 10
+    session.close()
+    assert sample("specwire_kv_cache_rows", {"state": "in_use"}) == 0
