@@ -352,7 +352,7 @@ class SlotKV:
     def __init__(self, cache: SlotCache, scheduler: Scheduler, wait_s: float) -> None:
         self.cache = cache
         self.scheduler = scheduler
-        self.wait_s = wait_s
+        self.wait_s = wait_s  # longest wait for free rows; `set_deadline` may shorten it
         self.rows: list[int] = []
         self.cached = 0
         self._lock = threading.Lock()
@@ -386,7 +386,7 @@ class SlotKV:
 
     def _resize(self, count: int) -> None:
         if count > len(self.rows):
-            self.rows = self.rows + self.cache.allocate(count - len(self.rows), self.wait_s)
+            self.rows = self.rows + self.cache.allocate(count - len(self.rows), self.wait_s, lambda: self._closed)
         elif count < len(self.rows):
             self.cache.release(self.rows[count:])
             self.rows = self.rows[:count]
@@ -414,6 +414,10 @@ class SlotKV:
         job = self.run(ForwardJob(list(self.rows), tokens[:, start:], start, positions, more=more))
         assert job.logits is not None
         return job.logits
+
+    def set_deadline(self, seconds: float) -> None:
+        """The caller's deadline is `seconds` away: wait no longer than that for rows."""
+        self.wait_s = min(self.wait_s, max(0.0, seconds))
 
     def run(self, job: ForwardJob) -> ForwardJob:
         """Hook for tree verification (Medusa) and attention statistics (entropix): run `job`
@@ -501,6 +505,12 @@ class EngineSession:
             request.propose_seed,
             request.propose_min_confidence,
         )
+
+    def set_deadline(self, seconds: float) -> None:
+        """The caller's deadline is `seconds` away (the servicer says so before `open`)."""
+        set_deadline = getattr(self.kv, "set_deadline", None)
+        if set_deadline is not None:
+            set_deadline(seconds)
 
     def close(self) -> None:
         self.kv.close()

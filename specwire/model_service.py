@@ -113,6 +113,10 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"sessions: {self.max_sessions} already open (--max-sessions)"
             )
         session = backend.new_session()
+        remaining = context.time_remaining()
+        set_deadline = getattr(session, "set_deadline", None)
+        if remaining is not None and set_deadline is not None:
+            set_deadline(remaining)  # waiting for cache rows never outlasts the caller's deadline
         self.active_sessions += 1
         usage = SessionUsage()
         if self.metrics is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -73,8 +74,9 @@ class SlotCache:
 
     # -- the row pool ----------------------------------------------------------------------
 
-    def allocate(self, count: int, timeout_s: float | None) -> list[int]:
-        """`count` rows, waiting at most `timeout_s` (None: the default wait) for others to free."""
+    def allocate(self, count: int, timeout_s: float | None, cancelled: Callable[[], bool] = lambda: False) -> list[int]:
+        """`count` rows, waiting at most `timeout_s` (None: the default wait) for others to free,
+        and no longer than `cancelled()` stays False (the caller's stream ended)."""
         if count > self.shape.rows:
             raise ResourceExhausted(f"cache rows: {count} wanted, the cache has {self.shape.rows} (--max-batch-rows)")
         deadline = time.monotonic() + (30.0 if timeout_s is None else max(0.0, timeout_s))
@@ -89,12 +91,12 @@ class SlotCache:
                 try:
                     while len(self._free) < count:
                         left = deadline - time.monotonic()
-                        if left <= 0:
+                        if left <= 0 or cancelled():
                             raise ResourceExhausted(
                                 f"cache rows: {count} wanted, {len(self._free)} of {self.shape.rows} free "
                                 "before the deadline (--max-batch-rows)"
                             )
-                        self._changed.wait(left)
+                        self._changed.wait(min(left, 0.1))  # wakes to notice a cancelled caller
                 finally:
                     self._waiting -= 1
             rows = [self._free.pop() for _ in range(count)]

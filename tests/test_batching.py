@@ -153,6 +153,12 @@ def test_rows_run_out_with_resource_exhausted_naming_the_limit(llama_target_dir:
     with pytest.raises(ResourceExhausted, match="max-batch-rows"):
         waiter.open(open_two)  # one row free, two wanted: waits out the queue timeout
     assert time.monotonic() - started >= 0.2
+    hurried = small.new_session()
+    hurried.set_deadline(0.01)  # the caller's deadline cuts the wait short
+    started = time.monotonic()
+    with pytest.raises(ResourceExhausted):
+        hurried.open(open_two)
+    assert time.monotonic() - started < 0.2
     holder.close()
     waiter.open(open_two)  # freed rows are handed out again
     assert small.cache is not None and small.cache.usage().rows_in_use == 2
