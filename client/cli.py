@@ -52,7 +52,7 @@ def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: i
     )
     parser.add_argument(
         "--compile", default="auto", choices=["auto", "on", "off"],
-        help="torch.compile the batched forward (CUDA graphs on CUDA); auto = on CUDA only",
+        help="torch.compile the batched forward (CUDA graphs on CUDA); auto = where measured to pay",
     )
     if role == "draft":
         parser.add_argument("--drafter", default="model", choices=["model", "ngram"])

@@ -31,7 +31,7 @@ class ModelServiceConfig:
     max_cache_len: int = 0
     max_queued_sessions: int = 64
     engine: str = "batched"  # "batched" (slot cache, batching scheduler) or "hf" (transformers' forward)
-    compile: str = "auto"  # torch.compile of the batched forward: auto (CUDA only), on, off
+    compile: str = "auto"  # torch.compile of the batched forward: auto (where it pays), on, off
     drafter: str = "model"  # draft only: "model" or "ngram"
     ngram_max: int = 3  # n-gram drafter: longest n-gram matched
     ngram_min: int = 1

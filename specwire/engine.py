@@ -47,6 +47,8 @@ from specwire.slot_cache import SlotCache
 log = logging.getLogger("specwire")
 
 MAX_BRANCHES = 64
+# Device types where `--compile auto` compiles: where a measurement showed it pays (none yet).
+COMPILE_PAYS_ON: frozenset[str] = frozenset()
 MAX_PROPOSE = 64
 
 
@@ -156,8 +158,8 @@ class EngineLimits:
     max_queued_sessions: int = 64  # sessions waiting for free rows before RESOURCE_EXHAUSTED
     queue_timeout_s: float = 30.0  # longest wait for free rows
     batching: bool = True  # False: transformers' forward, one DynamicCache per session, no batching
-    # torch.compile of the batched forward: "on", "off", or "auto" = on CUDA only (on this
-    # project's CPU measurements the compiled step was slower than the eager one; see README).
+    # torch.compile of the batched forward: "on", "off", or "auto" = where it was measured to
+    # pay: nowhere yet (on CPU the compiled step was slower; CUDA is unmeasured; see README).
     compile: str = "auto"
 
 
@@ -205,7 +207,7 @@ class Engine:
             )
             if self.limits.compile not in ("auto", "on", "off"):
                 raise ValueError(f"--compile must be auto, on or off; got {self.limits.compile!r}")
-            if self.limits.compile == "on" or (self.limits.compile == "auto" and lm.device.type == "cuda"):
+            if self.limits.compile == "on" or (self.limits.compile == "auto" and lm.device.type in COMPILE_PAYS_ON):
                 self.scheduler.compile()
 
     @property
