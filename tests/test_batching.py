@@ -227,3 +227,18 @@ def test_cache_use_is_reported_in_info_and_metrics(llama_target_dir: Path) -> No
     assert sample("specwire_kv_cache_slot_tokens") == 10
     session.close()
     assert sample("specwire_kv_cache_rows", {"state": "in_use"}) == 0
+
+
+def test_a_forward_that_fails_to_compile_is_served_eagerly(
+    llama_target_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken_compile(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    with caplog.at_level("WARNING", logger="specwire"):
+        lean = engine(llama_target_dir, max_batch_rows=2, max_cache_len=64, compile="on")
+    assert "serving eagerly" in caplog.text and "no compiler here" in caplog.text
+    session = lean.new_session()
+    result = session.open(OpenRequest(prompt_ids=[5, 17, 42], scoring=Scoring(ScoreKind.ARGMAX)))
+    assert result.scores is not None and result.scores.rows == 1
