@@ -19,6 +19,14 @@ in a freshly shuffled order, so drifting machine load spreads over all of them):
 Every row decodes greedily and ignores end-of-sequence (transformers: `eos_token_id=None`;
 specwire: `ignore_eos`), so every row generates exactly `max_new_tokens` tokens per prompt, and
 `matches_hf_target` records the share of (repeat, prompt) pairs whose tokens equal row (a)'s.
+With `--concurrency 1,2,4,8`, the report also has a top-level `concurrency` list: for each
+strategy (greedy; speculative when its row runs) and each stream count N, N `Generate` calls run
+at once from N threads, each on prompt i mod the prompts, `--repeats` times. Per entry:
+`aggregate_tokens_per_s` (all streams' tokens over the wall time of the round of N, median over
+repeats; each repeat runs the levels in a shuffled order), `ratio_vs_one_stream` (the median over
+repeats of the rate over one stream's in the same repeat), `p50_token_ms` / `p99_token_ms` (over
+streams and repeats, of a stream's wall time per token) and `matches_solo` (the share of streams
+whose tokens equal the N = 1 run on the same prompt).
 The specwire rows run against three real services started by `specwire.client.launcher.Stack` on
 loopback; time is measured by the client around each `Generate` call.
 
@@ -105,6 +113,7 @@ class BenchConfig:
     warmup: bool = True
     port: int = 0  # base port of the stacks (orchestrator; services on +1, +2; proxies +3, +4); 0 = free ones
     show_progress: bool = True
+    concurrency: tuple[int, ...] = ()  # stream counts of the concurrency measurement; () = none
 
 
 @dataclass
@@ -332,6 +341,51 @@ def specwire_sample(client: Any, strategy: str, prompt_ids: list[int], max_new_t
         orchestrator_ms=s.orchestrator_ms,
         bytes_total=s.target_bytes_sent + s.target_bytes_received + s.draft_bytes_sent + s.draft_bytes_received,
     )
+
+
+def concurrency_entries(
+    client: Any, strategy: str, prompt_ids: list[list[int]], levels: Sequence[int], max_new_tokens: int, gamma: int,
+    repeats: int, seed: int = 0,
+) -> list[dict[str, Any]]:
+    """N concurrent `Generate` calls per level (see the module docstring for the fields). Each
+    repeat runs every level once, in a freshly shuffled order, so load drift spreads over all."""
+    solo = {i: specwire_sample(client, strategy, ids, max_new_tokens, gamma).token_ids for i, ids in enumerate(prompt_ids)}
+    rates: dict[int, list[float]] = {n: [] for n in levels}
+    per_token_ms: dict[int, list[float]] = {n: [] for n in levels}
+    matches: dict[int, list[bool]] = {n: [] for n in levels}
+    rng = random.Random(seed)
+    with ThreadPoolExecutor(max_workers=max(levels)) as pool:
+        for _ in range(repeats):
+            order = list(levels)
+            rng.shuffle(order)
+            for streams in order:
+                which = [i % len(prompt_ids) for i in range(streams)]
+                started = time.perf_counter()
+                samples = list(
+                    pool.map(lambda i: specwire_sample(client, strategy, prompt_ids[i], max_new_tokens, gamma), which)
+                )
+                wall = time.perf_counter() - started
+                rates[streams].append(sum(len(s.token_ids) for s in samples) / wall)
+                per_token_ms[streams] += [1e3 * s.seconds / max(1, len(s.token_ids)) for s in samples]
+                matches[streams] += [s.token_ids == solo[i] for s, i in zip(samples, which, strict=True)]
+    entries: list[dict[str, Any]] = []
+    for streams in levels:
+        latencies = sorted(per_token_ms[streams])
+        entries.append({
+            "strategy": strategy,
+            "streams": streams,
+            "aggregate_tokens_per_s": statistics.median(rates[streams]),
+            "p50_token_ms": statistics.median(latencies),
+            "p99_token_ms": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+            "matches_solo": sum(matches[streams]) / len(matches[streams]),
+        })
+    one = entries[0] if levels[0] == 1 else None
+    for entry in entries:
+        # Paired: this level's rate over one stream's in the same repeat, median over repeats.
+        paired = [n / o for n, o in zip(rates[entry["streams"]], rates[1], strict=True)] if one else []
+        entry["ratio_vs_one_stream"] = statistics.median(paired) if paired else None
+        entry["p50_ratio_vs_one_stream"] = _ratio(entry["p50_token_ms"], one["p50_token_ms"]) if one else None
+    return entries
 
 
 # -- aggregation --------------------------------------------------------------------------------
@@ -574,6 +628,15 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         for result in results.values():
             if result.error:
                 result.samples = []
+        concurrency: list[dict[str, Any]] = []
+        if config.concurrency and "model" in clients:
+            levels = sorted(set(config.concurrency) | {1})
+            strategies = ["greedy"] + (["speculative"] if "specwire_speculative" in config.rows else [])
+            for strategy in strategies:
+                concurrency += concurrency_entries(
+                    clients["model"], strategy, prompt_ids, levels, config.max_new_tokens, config.gamma, config.repeats,
+                    config.seed,
+                )
         metadata = {
             "schema": SCHEMA,
             "target_model": config.target_model,
@@ -605,7 +668,10 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         for stack in stacks.values():
             stack.stop()
     metadata["duration_s"] = time.perf_counter() - began
-    return {"metadata": metadata, "rows": summarize(results)}
+    report: dict[str, Any] = {"metadata": metadata, "rows": summarize(results)}
+    if config.concurrency:
+        report["concurrency"] = concurrency
+    return report
 
 
 # -- output -------------------------------------------------------------------------------------
@@ -657,6 +723,24 @@ def markdown_table(report: dict[str, Any]) -> str:
             _fmt(row["matches_hf_target"]),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    if report.get("concurrency"):
+        lines += [
+            "",
+            "| strategy | streams | aggregate tok/s | × one stream | p50 ms/token | p99 ms/token | p50 × one stream | = solo |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for entry in report["concurrency"]:
+            cells = [
+                entry["strategy"],
+                str(entry["streams"]),
+                _fmt(entry["aggregate_tokens_per_s"], 1),
+                _fmt(entry["ratio_vs_one_stream"]),
+                _fmt(entry["p50_token_ms"]),
+                _fmt(entry["p99_token_ms"]),
+                _fmt(entry["p50_ratio_vs_one_stream"]),
+                _fmt(entry["matches_solo"]),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
     best = next((r["best_hf_assisted_row"] for r in report["rows"] if r["best_hf_assisted_row"]), None)
     lines.append("")
     lines.append(f"best HF assisted row: {best or '–'}; took {meta['duration_s']:.0f} s")
@@ -703,6 +787,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the row order shuffle")
     parser.add_argument("--port", type=int, default=0, help="base port of the stacks (0 = free ports)")
     parser.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up generation per row")
+    parser.add_argument(
+        "--concurrency", help="comma-separated stream counts (e.g. 1,2,4,8): concurrent generations per strategy"
+    )
     return parser
 
 
@@ -711,6 +798,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.max_new_tokens < 1 or args.repeats < 1 or args.gamma < 1:
         raise SystemExit("--max-new-tokens, --repeats and --gamma must be ≥ 1")
     rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else tuple(ROW_NAMES)
+    try:
+        concurrency = tuple(int(n) for n in args.concurrency.split(",")) if args.concurrency else ()
+    except ValueError:
+        raise SystemExit(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
+    if any(n < 1 for n in concurrency):
+        raise SystemExit("--concurrency: stream counts must be ≥ 1")
     return BenchConfig(
         target_model=target,
         draft_model=draft,
@@ -724,6 +817,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         warmup=not args.no_warmup,
         port=args.port,
+        concurrency=concurrency,
     )
 
 

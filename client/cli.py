@@ -46,6 +46,17 @@ def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: i
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=port, help="0 picks a free port")
     parser.add_argument("--max-sessions", type=int, default=256, help="concurrent sessions before RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-batch-rows", type=int, default=0, help="KV-cache rows (branches of all sessions); 0 = from free memory")
+    parser.add_argument("--max-cache-len", type=int, default=0, help="tokens per KV-cache row; 0 = the model's context")
+    parser.add_argument("--max-queued-sessions", type=int, default=64, help="sessions waiting for free rows before RESOURCE_EXHAUSTED")
+    parser.add_argument(
+        "--engine", default="batched", choices=["batched", "hf"],
+        help="batched: slot cache and cross-session batching; hf: transformers' forward, one session at a time",
+    )
+    parser.add_argument(
+        "--compile", default="auto", choices=["auto", "on", "off"],
+        help="torch.compile the batched forward (CUDA graphs on CUDA); auto = where measured to pay",
+    )
     if role == "draft":
         parser.add_argument("--drafter", default="model", choices=["model", "ngram"])
         parser.add_argument("--ngram-max", type=int, default=3, help="n-gram drafter: longest n-gram to match")
@@ -322,6 +333,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         max_sessions=args.max_sessions,
+        max_batch_rows=args.max_batch_rows,
+        max_cache_len=args.max_cache_len,
+        max_queued_sessions=args.max_queued_sessions,
+        engine=args.engine,
+        compile=args.compile,
         drafter=getattr(args, "drafter", "model"),
         ngram_max=getattr(args, "ngram_max", 3),
         ngram_min=getattr(args, "ngram_min", 1),

@@ -26,6 +26,12 @@ class ModelServiceConfig:
     host: str = "127.0.0.1"
     port: int = 50052
     max_sessions: int = 256
+    # The serving engine (specwire.engine.EngineLimits): 0 = derived from the model and free memory.
+    max_batch_rows: int = 0
+    max_cache_len: int = 0
+    max_queued_sessions: int = 64
+    engine: str = "batched"  # "batched" (slot cache, batching scheduler) or "hf" (transformers' forward)
+    compile: str = "auto"  # torch.compile of the batched forward: auto (where it pays), on, off
     drafter: str = "model"  # draft only: "model" or "ngram"
     ngram_max: int = 3  # n-gram drafter: longest n-gram matched
     ngram_min: int = 1

@@ -12,13 +12,19 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
+import os
+import threading
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
+import grpc
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 
-from specwire.errors import InvalidArgument, check_token_ids
+from specwire.batching import ForwardJob, Scheduler
+from specwire.errors import InvalidArgument, StatusError, check_token_ids
+from specwire.lean_forward import LeanModel, lean_model
 from specwire.processing import (
     ProcessingConfig,
     apply_penalties,
@@ -36,8 +42,13 @@ from specwire.session import (
     StepRequest,
     StepResult,
 )
+from specwire.slot_cache import SlotCache
+
+log = logging.getLogger("specwire")
 
 MAX_BRANCHES = 64
+# Device types where `--compile auto` compiles: where a measurement showed it pays (none yet).
+COMPILE_PAYS_ON: frozenset[str] = frozenset()
 MAX_PROPOSE = 64
 
 
@@ -138,30 +149,102 @@ class CausalLM:
         )
 
 
-class Engine:
-    """A `Backend` over one causal LM."""
+@dataclass(frozen=True)
+class EngineLimits:
+    """The serving engine's sizes (`--max-batch-rows`, `--max-cache-len`, ...); 0 = derived."""
 
-    def __init__(self, lm: CausalLM, role: str) -> None:
+    max_batch_rows: int = 0  # cache rows = branches of all open sessions together
+    max_cache_len: int = 0  # tokens per row; at most the model's context
+    max_queued_sessions: int = 64  # sessions waiting for free rows before RESOURCE_EXHAUSTED
+    queue_timeout_s: float = 30.0  # longest wait for free rows
+    batching: bool = True  # False: transformers' forward, one DynamicCache per session, no batching
+    # torch.compile of the batched forward: "on", "off", or "auto" = where it was measured to
+    # pay: nowhere yet (on CPU the compiled step was slower; CUDA is unmeasured; see README).
+    compile: str = "auto"
+
+
+def _available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):
+        return 1 << 30
+
+
+def cache_size(lean: LeanModel, lm: CausalLM, limits: EngineLimits) -> tuple[int, int]:
+    """(rows, max_len): the flags where given; else the model's context (at most 4096 tokens)
+    and as many rows as fit in half the free GPU memory (at most 256), or a tenth of the free
+    RAM (at most 32: a CPU gains little from wider batches)."""
+    max_len = limits.max_cache_len or min(lm.max_context, 4096)
+    max_len = min(max_len, lm.max_context)
+    if limits.max_batch_rows:
+        return limits.max_batch_rows, max_len
+    share, most = (2, 256) if lm.device.type == "cuda" else (10, 32)
+    per_row = lean.cache_shape(1, max_len).bytes
+    return max(1, min(most, _available_memory(lm.device) // share // per_row)), max_len
+
+
+class Engine:
+    """A `Backend` over one causal LM: a slot cache and a batching scheduler where the lean
+    forward supports the model, else one transformers `DynamicCache` per session."""
+
+    def __init__(self, lm: CausalLM, role: str, limits: EngineLimits | None = None) -> None:
         self.lm = lm
         self.role = role
+        self.limits = limits or EngineLimits()
         self._fingerprint = tokenizer_fingerprint(lm.tokenizer)
+        self.cache: SlotCache | None = None
+        self.scheduler: Scheduler | None = None
+        lean = lean_model(lm.model) if self.limits.batching else None
+        if lean is not None:
+            rows, max_len = cache_size(lean, lm, self.limits)
+            self.cache = SlotCache(lean.cache_shape(rows, max_len), lm.device, self.limits.max_queued_sessions)
+            self.scheduler = Scheduler(lean, self.cache, lm.device)
+            log.info(
+                "%s: slot cache of %d rows × %d tokens (%.1f MiB)", role, rows, max_len, self.cache.shape.bytes / 2**20
+            )
+            if self.limits.compile not in ("auto", "on", "off"):
+                raise ValueError(f"--compile must be auto, on or off; got {self.limits.compile!r}")
+            if self.limits.compile == "on" or (self.limits.compile == "auto" and lm.device.type in COMPILE_PAYS_ON):
+                self.scheduler.compile()
+
+    @property
+    def batches(self) -> bool:
+        """Sessions may run on threads of their own: their forwards meet in the scheduler."""
+        return self.scheduler is not None
 
     def info(self) -> ModelInfo:
+        usage = self.cache.usage() if self.cache is not None else None
         return ModelInfo(
             model_name=self.lm.name,
             vocab_size=self.lm.vocab_size,
             tokenizer_fingerprint=self._fingerprint,
             eos_token_ids=self.lm.eos_token_ids,
-            max_context=self.lm.max_context,
-            capabilities=["session", "propose", "branches"],
+            max_context=self.max_tokens,
+            capabilities=["session", "propose", "branches"] + (["batching"] if self.batches else []),
             role=self.role,
             tokenizer_source=self.lm.tokenizer_source,
             device=str(self.lm.device),
             dtype=str(next(self.lm.model.parameters()).dtype).removeprefix("torch."),
+            cache=usage,
         )
 
+    @property
+    def max_tokens(self) -> int:
+        """The longest sequence a session may hold."""
+        if self.cache is not None:
+            return min(self.lm.max_context, self.cache.shape.max_len)
+        return self.lm.max_context
+
     def new_session(self) -> EngineSession:
-        return EngineSession(self.lm)
+        kv: SessionKV
+        if self.cache is not None and self.scheduler is not None:
+            kv = SlotKV(self.cache, self.scheduler, self.limits.queue_timeout_s)
+        else:
+            kv = DynamicKV(self.lm)
+        return EngineSession(self.lm, kv, self.max_tokens)
 
     def warmup(self) -> None:
         """One short generation, so the first request doesn't pay for lazy initialisation."""
@@ -194,14 +277,194 @@ def _encode_top(kind: ScoreKind, scores: torch.Tensor, top_n: int, dtype: torch.
 _LOGITS_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
-class EngineSession:
-    """One generation's branches, tokens and KV cache. Used from one thread at a time."""
+class SessionKV(Protocol):
+    """Where a session's keys and values live, and how its forwards run."""
+
+    cached: int  # leading positions of every branch held in the cache
+
+    def open(self, branches: int) -> None: ...
+
+    def crop(self, keep: int) -> None: ...
+
+    def reorder(self, order: list[int]) -> None: ...
+
+    def forward(self, tokens: torch.Tensor, start: int, positions: int, more: bool = False) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
+class DynamicKV:
+    """transformers' own forward over one `DynamicCache`: any model, no batching."""
 
     def __init__(self, lm: CausalLM) -> None:
         self.lm = lm
-        self.tokens = torch.empty((1, 0), dtype=torch.long)  # [branches, length], on CPU
         self.cache: DynamicCache | None = None
-        self.cached = 0  # leading positions held in the KV cache
+        self.cached = 0
+
+    def open(self, branches: int) -> None:
+        self.cache, self.cached = None, 0
+
+    def crop(self, keep: int) -> None:
+        if keep == 0 or self.cache is None:
+            self.cache = None
+        else:
+            self.cache.crop(keep - self.cached)  # transformers ≥ 5: a negative count to remove
+        self.cached = keep
+
+    def reorder(self, order: list[int]) -> None:
+        if self.cache is not None and self.cached > 0:
+            index = torch.tensor(order, dtype=torch.long, device=self.lm.device)
+            self.cache.reorder_cache(cast(torch.LongTensor, index))
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start: int, positions: int, more: bool = False) -> torch.Tensor:
+        if self.cache is None:
+            self.cache = DynamicCache()
+        device = self.lm.device
+        kwargs: dict[str, Any] = {}
+        if self.lm.accepts_logits_to_keep:
+            kwargs["logits_to_keep"] = positions
+        out = self.lm.model(
+            input_ids=tokens[:, start:].to(device),
+            attention_mask=torch.ones(tokens.shape, dtype=torch.long, device=device),
+            past_key_values=self.cache,
+            use_cache=True,
+            **kwargs,
+        )
+        self.cached = int(tokens.shape[1])
+        return out.logits[:, -positions:, :].float()
+
+    def close(self) -> None:
+        self.cache, self.cached = None, 0
+
+
+class SessionClosed(StatusError):
+    """The stream ended while this session's work was under way; nothing is left to answer."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
+class SlotKV:
+    """Rows of the service's slot cache (one per branch); forwards go through the scheduler.
+
+    `close` may come from another thread while a forward or a wait for rows is under way: the
+    rows are then released by the thread doing that work, when it ends.
+    """
+
+    def __init__(self, cache: SlotCache, scheduler: Scheduler, wait_s: float) -> None:
+        self.cache = cache
+        self.scheduler = scheduler
+        self.wait_s = wait_s  # longest wait for free rows; `set_deadline` may shorten it
+        self.rows: list[int] = []
+        self.cached = 0
+        self._lock = threading.Lock()
+        self._busy = False
+        self._closed = False
+
+    def _enter(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise SessionClosed("session: closed")
+            self._busy = True
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._busy = False
+            if self._closed:
+                self._release()
+
+    def _release(self) -> None:
+        rows, self.rows = self.rows, []
+        if rows:
+            self.cache.release(rows)
+
+    def open(self, branches: int) -> None:
+        self._enter()
+        try:
+            self._resize(branches)
+            self.cached = 0
+        finally:
+            self._leave()
+
+    def _resize(self, count: int) -> None:
+        if count > len(self.rows):
+            self.rows = self.rows + self.cache.allocate(count - len(self.rows), self.wait_s, lambda: self._closed)
+        elif count < len(self.rows):
+            self.cache.release(self.rows[count:])
+            self.rows = self.rows[:count]
+
+    def crop(self, keep: int) -> None:
+        self.cached = keep  # the next forward writes from here
+
+    def reorder(self, order: list[int]) -> None:
+        self._enter()
+        try:
+            sources = [self.rows[i] for i in order]
+            if len(order) > len(self.rows):
+                self._resize(len(order))
+            targets = self.rows[: len(order)]
+            if sources != targets:
+                for row in sources:
+                    self.cache.lengths[row] = self.cached
+                self.cache.copy_rows(sources, targets)
+            self._resize(len(order))
+        finally:
+            self._leave()
+
+    def forward(self, tokens: torch.Tensor, start: int, positions: int, more: bool = False) -> torch.Tensor:
+        """`more`: the session's next forward follows at once (the scheduler waits for it)."""
+        job = self.run(ForwardJob(list(self.rows), tokens[:, start:], start, positions, more=more))
+        assert job.logits is not None
+        return job.logits
+
+    def set_deadline(self, seconds: float) -> None:
+        """The caller's deadline is `seconds` away: wait no longer than that for rows."""
+        self.wait_s = min(self.wait_s, max(0.0, seconds))
+
+    def run(self, job: ForwardJob) -> ForwardJob:
+        """Hook for tree verification (Medusa) and attention statistics (entropix): run `job`
+        on this session's rows with its own positions, tree mask, hidden-state and attention
+        requests (see `ForwardJob`). The rows then hold job.start + n positions; `keep_path`
+        compacts an accepted subset. `forward` is this with the defaults (causal, logits only)."""
+        self._enter()
+        try:
+            job.rows, job.owner = list(self.rows), self
+            self.scheduler.run(job)
+        finally:
+            self._leave()
+        self.cached = job.start + job.new_tokens
+        return job
+
+    def keep_path(self, start: int, kept: list[int]) -> None:
+        """Keep the just-appended positions start+kept[i] (ascending offsets) at start+i in every
+        row, and cut the rows there: an accepted tree path becomes an ordinary prefix."""
+        self._enter()
+        try:
+            for row in self.rows:
+                self.cache.keep_positions(row, start, kept)
+            self.cached = start + len(kept)
+        finally:
+            self._leave()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if not self._busy:
+                self._release()
+        self.scheduler.forget(self)
+
+
+class EngineSession:
+    """One generation's branches and tokens, its keys and values in a `SessionKV`.
+
+    Used from one thread at a time (`close` excepted, see `SlotKV`).
+    """
+
+    def __init__(self, lm: CausalLM, kv: SessionKV, max_tokens: int) -> None:
+        self.lm = lm
+        self.kv = kv
+        self.max_tokens = max_tokens
+        self.tokens = torch.empty((1, 0), dtype=torch.long)  # [branches, length], on CPU
         self.processing = ProcessingConfig()
         self.forward_calls = 0
 
@@ -223,7 +486,7 @@ class EngineSession:
         self.processing = request.processing
         prompt = torch.tensor(request.prompt_ids, dtype=torch.long).unsqueeze(0)
         self.tokens = prompt.expand(request.num_branches, -1).clone()
-        self.cache, self.cached = None, 0
+        self.kv.open(request.num_branches)
         return self._finish(request.scoring, 0, False, 0, 0.0)
 
     def step(self, request: StepRequest) -> StepResult:
@@ -245,31 +508,34 @@ class EngineSession:
             request.propose_min_confidence,
         )
 
+    def set_deadline(self, seconds: float) -> None:
+        """The caller's deadline is `seconds` away (the servicer says so before `open`)."""
+        set_deadline = getattr(self.kv, "set_deadline", None)
+        if set_deadline is not None:
+            set_deadline(seconds)
+
     def close(self) -> None:
-        self.cache = None
+        self.kv.close()
         self.tokens = torch.empty((1, 0), dtype=torch.long)
-        self.cached = 0
 
     # -- state changes -------------------------------------------------------------------
 
     def _check_length(self, length: int, field: str) -> None:
-        if length > self.lm.max_context:
-            raise InvalidArgument(field, f"sequence of {length} tokens exceeds the model's context of {self.lm.max_context}")
+        if length > self.max_tokens:
+            raise InvalidArgument(field, f"sequence of {length} tokens exceeds the service's context of {self.max_tokens}")
 
     def _truncate(self, keep: int) -> None:
         if not 1 <= keep <= self.length:
             raise InvalidArgument("keep_tokens", f"must be in [1, {self.length}], got {keep}")
         self.tokens = self.tokens[:, :keep]
-        if self.cached > keep:
-            self._crop_cache(keep)
+        if self.kv.cached > keep:
+            self.kv.crop(keep)
 
     def _reorder(self, order: list[int]) -> None:
         if not 1 <= len(order) <= MAX_BRANCHES or any(not 0 <= i < self.num_branches for i in order):
             raise InvalidArgument("branch_order", f"indices must be in [0, {self.num_branches}), at most {MAX_BRANCHES}")
-        index = torch.tensor(order, dtype=torch.long)
-        self.tokens = self.tokens.index_select(0, index)
-        if self.cache is not None and self.cached > 0:
-            self.cache.reorder_cache(cast(torch.LongTensor, index.to(self.lm.device)))
+        self.kv.reorder(order)
+        self.tokens = self.tokens.index_select(0, torch.tensor(order, dtype=torch.long))
 
     def _append(self, ids: list[int]) -> None:
         if len(ids) % self.num_branches:
@@ -280,46 +546,26 @@ class EngineSession:
         new = torch.tensor(ids, dtype=torch.long).view(self.num_branches, per_branch)
         self.tokens = torch.cat([self.tokens, new], dim=1)
 
-    def _crop_cache(self, keep: int) -> None:
-        if keep == 0 or self.cache is None:
-            self.cache = None
-        else:
-            self.cache.crop(keep - self.cached)  # transformers ≥ 5: a negative count to remove
-        self.cached = keep
-
     # -- forward passes ------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def _forward(self, positions: int) -> torch.Tensor:
-        """Logits for each branch's last `positions` tokens: [branches, positions, vocab] float32."""
-        start = min(self.cached, self.length - positions)
-        if start < self.cached:
-            self._crop_cache(start)
-        if self.cache is None:
-            self.cache = DynamicCache()
-        device = self.lm.device
-        kwargs: dict[str, Any] = {}
-        if self.lm.accepts_logits_to_keep:
-            kwargs["logits_to_keep"] = positions
-        out = self.lm.model(
-            input_ids=self.tokens[:, start:].to(device),
-            attention_mask=torch.ones(self.tokens.shape, dtype=torch.long, device=device),
-            past_key_values=self.cache,
-            use_cache=True,
-            **kwargs,
-        )
-        self.cached = self.length
+    def _forward(self, positions: int, more: bool = False) -> torch.Tensor:
+        """Logits for each branch's last `positions` tokens: [branches, positions, vocab] float32.
+        `more`: another forward of this message follows right away."""
+        start = min(self.kv.cached, self.length - positions)
+        if start < self.kv.cached:
+            self.kv.crop(start)
+        logits = self.kv.forward(self.tokens, start, positions, more)
         self.forward_calls += 1
-        return out.logits[:, -positions:, :].float()
+        return logits
 
-    def _score(self, scoring: Scoring) -> Scores | None:
+    def _score(self, scoring: Scoring, more: bool = False) -> Scores | None:
         if scoring.kind == ScoreKind.NONE:
             return None
         positions = scoring.positions
         if not 1 <= positions <= self.length:
             raise InvalidArgument("scoring.positions", f"must be in [1, {self.length}], got {positions}")
         score_ids = self._score_ids(scoring)  # checked before paying for a forward pass
-        logits = self._forward(positions)  # [branches, positions, vocab]
+        logits = self._forward(positions, more)  # [branches, positions, vocab]
         per_position = []
         for j in range(positions):
             history = self.tokens[:, : self.length - positions + j + 1].to(logits.device)
@@ -369,18 +615,19 @@ class EngineSession:
         drawn: list[torch.Tensor] = []
         dists: list[torch.Tensor] = []
         for index in range(count):
-            logits = self._forward(1)[:, 0]  # [branches, vocab]
+            logits = self._forward(1, more=index + 1 < count)[:, 0]  # [branches, vocab]
             history = self.tokens.to(logits.device)
+            gated = index > 0 and min_confidence > 0  # the confidence is only worked out when it can stop
             if greedy:
                 scores = greedy_scores(logits, history, self.processing)
                 token = scores.argmax(dim=-1, keepdim=True)
-                confidence = scores.softmax(dim=-1).amax(dim=-1).min()
+                confidence = scores.softmax(dim=-1).amax(dim=-1).min() if gated else None
             else:
                 probs = sampling_probs(logits, history, self.processing)
                 token = torch.multinomial(probs, 1, generator=generator)
                 confidence = probs.amax(dim=-1).min()
                 dists.append(probs)
-            if index > 0 and float(confidence) < min_confidence:
+            if gated and float(cast(torch.Tensor, confidence)) < min_confidence:
                 if dists:
                     dists.pop()
                 break
@@ -394,7 +641,7 @@ class EngineSession:
 
     def _finish(self, scoring: Scoring, propose: int, greedy: bool, seed: int, min_confidence: float) -> StepResult:
         calls_before = self.forward_calls
-        scores = self._score(scoring)
+        scores = self._score(scoring, more=propose > 0)
         proposed, proposal_scores = None, None
         if propose > 0:
             self._check_length(self.length + propose, "propose")

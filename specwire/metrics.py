@@ -13,7 +13,7 @@ and per-message compute and queue time.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
@@ -28,6 +28,8 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
+
+from specwire.slot_cache import CacheUsage
 
 # 50 µs … 10 s: a round of a tiny model on loopback up to a large one across hosts.
 LATENCY_BUCKETS = (
@@ -187,8 +189,31 @@ class ModelServiceMetrics:
             buckets=LATENCY_BUCKETS, registry=r,
         )
 
+        self.cache_rows = Gauge(
+            "specwire_kv_cache_rows", "Rows of the slot cache, in use and free", ["state"], registry=r
+        )
+        self.cache_slot_tokens = Gauge(
+            "specwire_kv_cache_slot_tokens", "Positions held by the slot cache's rows in use", registry=r
+        )
+        self.cache_bytes = Gauge(
+            "specwire_kv_cache_bytes", "Bytes of the slot cache: in use, free and total", ["state"], registry=r
+        )
+        self.cache_waiting = Gauge(
+            "specwire_kv_cache_waiting_sessions", "Sessions waiting for free slot-cache rows", registry=r
+        )
+
     def describe(self, role: str, model: str, device: str, dtype: str) -> None:
         self.info.info({"role": role, "model": model, "device": device, "dtype": dtype})
+
+    def watch_cache(self, usage: Callable[[], CacheUsage]) -> None:
+        """Read the slot cache's gauges from `usage` at every scrape."""
+        self.cache_rows.labels("in_use").set_function(lambda: usage().rows_in_use)
+        self.cache_rows.labels("free").set_function(lambda: (lambda u: u.rows - u.rows_in_use)(usage()))
+        self.cache_slot_tokens.set_function(lambda: usage().tokens_in_use)
+        self.cache_bytes.labels("in_use").set_function(lambda: usage().bytes_in_use)
+        self.cache_bytes.labels("free").set_function(lambda: (lambda u: u.bytes_total - u.bytes_in_use)(usage()))
+        self.cache_bytes.labels("total").set_function(lambda: usage().bytes_total)
+        self.cache_waiting.set_function(lambda: usage().waiting)
 
     def message_handled(self, kind: str, queue_us: int, compute_us: int, forward_calls: int) -> None:
         self.messages.labels(kind, "ok").inc()

@@ -11,7 +11,7 @@ from transformers.utils import logging as hf_logging
 
 from specwire import serving, telemetry
 from specwire.config import ModelServiceConfig
-from specwire.engine import CausalLM, Engine
+from specwire.engine import CausalLM, Engine, EngineLimits
 from specwire.metrics import ModelServiceMetrics, serve_metrics
 from specwire.model_service import SERVICE_NAME, ModelServicer
 from specwire.session import Backend
@@ -31,7 +31,14 @@ def load_engine(config: ModelServiceConfig, default_model: str, default_name: st
         dtype=config.dtype,
         name=config.model or default_name,
     )
-    engine = Engine(lm, role=config.role)
+    limits = EngineLimits(
+        max_batch_rows=config.max_batch_rows,
+        max_cache_len=config.max_cache_len,
+        max_queued_sessions=config.max_queued_sessions,
+        batching=config.engine == "batched",
+        compile=config.compile,
+    )
+    engine = Engine(lm, role=config.role, limits=limits)
     engine.warmup()
     return engine
 
@@ -56,6 +63,9 @@ async def run(config: ModelServiceConfig, build_backend: BackendFactory) -> None
         log.info("%s: %s on %s (%s), vocab %d", config.role, info.model_name, info.device, info.dtype, info.vocab_size)
         if metrics is not None:
             metrics.describe(config.role, info.model_name, info.device, info.dtype)
+            cache = getattr(backend, "cache", None)
+            if cache is not None:
+                metrics.watch_cache(cache.usage)
 
     metrics_server = serve_metrics(metrics.registry, config.host, observe.metrics_port) if metrics else None
     try:

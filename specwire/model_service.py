@@ -1,8 +1,9 @@
 """The `ModelService` servicer both model services run: sessions over bidirectional streams.
 
-Each stream owns one backend session (a KV cache). Requests are handled in order on a single
-forward-pass executor thread, so the event loop stays free and the model sees one batch at a
-time. The session is freed in `finally`, whatever ended the stream.
+Each stream owns one backend session (its KV cache rows). A stream's requests are handled in
+order off the event loop: on a thread per session when the backend batches (its scheduler
+gathers the concurrent sessions' forwards into one), else on a single forward-pass thread so
+the model sees one batch at a time. The session is freed in `finally`, whatever ended the stream.
 
 Each message is traced, when tracing is on, as a server span under the client span whose
 context the message carries, and counted in the service's metrics.
@@ -87,6 +88,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         self.max_sessions = max_sessions
         self.active_sessions = 0
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self.session_executor = ThreadPoolExecutor(max_workers=max_sessions, thread_name_prefix="session")
         self.role = role or (backend.info().role if backend is not None else "model")
         self.tracing = tracing
         self.metrics = metrics
@@ -113,6 +115,10 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"sessions: {self.max_sessions} already open (--max-sessions)"
             )
         session = backend.new_session()
+        remaining = context.time_remaining()
+        set_deadline = getattr(session, "set_deadline", None)
+        if remaining is not None and set_deadline is not None:
+            set_deadline(remaining)  # waiting for cache rows never outlasts the caller's deadline
         self.active_sessions += 1
         usage = SessionUsage()
         if self.metrics is not None:
@@ -154,7 +160,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             raise InvalidArgument("kind", "a session message must carry `open` or `step`")
         span = self._start_span(kind, request) if self.tracing is not None else None
         try:
-            reply = await self._run(handler, request)
+            reply = await self._run(handler, request, self._executor_for())
         except BaseException as error:  # a cancelled stream too: the span must still end
             if span is not None:
                 telemetry.record_error(span, error)
@@ -193,7 +199,13 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         name = f"{self.role}.{main}"
         return self.tracing.start_span(name, telemetry.extract(request.trace), SpanKind.SERVER, attributes)
 
-    async def _run(self, handler: Callable[..., object], request: object) -> model_pb2.SessionReply:
+    def _executor_for(self) -> ThreadPoolExecutor:
+        batches = self.backend is not None and getattr(self.backend, "batches", False)
+        return self.session_executor if batches else self.executor
+
+    async def _run(
+        self, handler: Callable[..., object], request: object, executor: ThreadPoolExecutor
+    ) -> model_pb2.SessionReply:
         enqueued = time.perf_counter()
 
         def job() -> model_pb2.SessionReply:
@@ -204,5 +216,5 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             reply.timing.compute_us = int((time.perf_counter() - started) * 1e6)
             return reply
 
-        return await asyncio.get_running_loop().run_in_executor(self.executor, job)
+        return await asyncio.get_running_loop().run_in_executor(executor, job)
 

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from specwire.processing import ProcessingConfig
+from specwire.slot_cache import CacheUsage
 
 
 class ScoreKind(enum.IntEnum):
@@ -121,6 +122,7 @@ class ModelInfo:
     tokenizer_source: str = ""
     device: str = "cpu"
     dtype: str = "float32"
+    cache: CacheUsage | None = None  # the slot cache, where the engine has one
 
 
 class BackendSession(Protocol):

@@ -22,6 +22,7 @@ from specwire.session import (
     StepRequest,
     StepResult,
 )
+from specwire.slot_cache import CacheUsage
 from specwire.v1 import common_pb2, model_pb2
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -247,6 +248,19 @@ def info_to_pb(info: ModelInfo) -> model_pb2.ModelInfo:
         tokenizer_source=info.tokenizer_source,
         device=info.device,
         dtype=info.dtype,
+        cache=cache_to_pb(info.cache) if info.cache is not None else None,
+    )
+
+
+def cache_to_pb(usage: CacheUsage) -> model_pb2.CacheInfo:
+    return model_pb2.CacheInfo(
+        rows=usage.rows,
+        rows_in_use=usage.rows_in_use,
+        max_len=usage.max_len,
+        tokens_in_use=usage.tokens_in_use,
+        bytes_in_use=usage.bytes_in_use,
+        bytes_total=usage.bytes_total,
+        sessions_waiting=usage.waiting,
     )
 
 
@@ -262,4 +276,17 @@ def info_from_pb(message: model_pb2.ModelInfo) -> ModelInfo:
         tokenizer_source=message.tokenizer_source,
         device=message.device,
         dtype=message.dtype,
+        cache=cache_from_pb(message.cache) if message.HasField("cache") else None,
+    )
+
+
+def cache_from_pb(message: model_pb2.CacheInfo) -> CacheUsage:
+    return CacheUsage(
+        rows=message.rows,
+        rows_in_use=message.rows_in_use,
+        max_len=message.max_len,
+        tokens_in_use=message.tokens_in_use,
+        bytes_in_use=message.bytes_in_use,
+        bytes_total=message.bytes_total,
+        waiting=message.sessions_waiting,
     )

@@ -84,3 +84,32 @@ def save_gpt2(path: Path, tokenizer: PreTrainedTokenizerFast, seed: int) -> Path
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def save_qwen2(path: Path, tokenizer: PreTrainedTokenizerFast, seed: int) -> Path:
+    """A random Qwen2 (q/k/v biases, grouped-query attention)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+        for layer in model.model.layers:  # random biases, so the test sees them used
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

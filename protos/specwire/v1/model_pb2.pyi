@@ -26,7 +26,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_context", "capabilities", "role", "tokenizer_source", "device", "dtype")
+    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_context", "capabilities", "role", "tokenizer_source", "device", "dtype", "cache")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class ModelInfo(_message.Message):
     TOKENIZER_SOURCE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -47,7 +48,26 @@ class ModelInfo(_message.Message):
     tokenizer_source: str
     device: str
     dtype: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., role: _Optional[str] = ..., tokenizer_source: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    cache: CacheInfo
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., role: _Optional[str] = ..., tokenizer_source: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., cache: _Optional[_Union[CacheInfo, _Mapping]] = ...) -> None: ...
+
+class CacheInfo(_message.Message):
+    __slots__ = ("rows", "rows_in_use", "max_len", "tokens_in_use", "bytes_in_use", "bytes_total", "sessions_waiting")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LEN_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    rows_in_use: int
+    max_len: int
+    tokens_in_use: int
+    bytes_in_use: int
+    bytes_total: int
+    sessions_waiting: int
+    def __init__(self, rows: _Optional[int] = ..., rows_in_use: _Optional[int] = ..., max_len: _Optional[int] = ..., tokens_in_use: _Optional[int] = ..., bytes_in_use: _Optional[int] = ..., bytes_total: _Optional[int] = ..., sessions_waiting: _Optional[int] = ...) -> None: ...
 
 class ProcessingConfig(_message.Message):
     __slots__ = ("repetition_penalty", "no_repeat_ngram_size", "temperature", "top_k", "top_p", "min_p", "min_tokens_to_keep")

@@ -1,0 +1,284 @@
+"""Continuous batching: every forward takes whatever the concurrent sessions have ready.
+
+Each session runs on its own thread and hands its forward (a `ForwardJob`: its rows, their new
+tokens, where they start) to the service's `Scheduler`. Whoever finds the model idle runs the
+forward itself, with every job queued by then, so a session alone never waits for a window
+and pays no thread hop; sessions that arrive during a forward are served together by the next
+one. A multi-step round is one job per step, so it batches step by step with the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specwire.lean_forward import ForwardBatch, ForwardOutput, LeanModel
+from specwire.slot_cache import SlotCache
+
+log = logging.getLogger("specwire")
+
+# Jobs longer than this (prefills) run in a forward of their own, chunked to this size, so a
+# long prompt neither pads the decoders' batch nor holds them up for one long call.
+PREFILL_CHUNK = 64
+
+
+@dataclass
+class ForwardJob:
+    """Rows of one session with the same new-token count. Results are filled in by the scheduler."""
+
+    rows: list[int]
+    tokens: torch.Tensor  # [rows, n] long, CPU
+    start: int  # cache slot of the first new token (the rows' tokens before it are cached)
+    keep: int  # logits for the last `keep` new tokens of each row
+    positions: torch.Tensor | None = None  # [rows, n]; None = start + arange(n)
+    tree_mask: torch.Tensor | None = None  # [n, n] bool: new token i sees new token j; None = causal
+    want_hidden: bool = False
+    want_attention: bool = False
+    owner: object = None  # the session the job comes from
+    more: bool = False  # the owner sends its next job right after this one (a multi-step round)
+    # results
+    logits: torch.Tensor | None = None  # [rows, keep, vocab] float32
+    hidden: torch.Tensor | None = None  # [rows, n, hidden]
+    attention_scores: torch.Tensor | None = None  # [rows, heads, n, start + n]
+    error: BaseException | None = None
+    done: bool = False
+    _wake: threading.Event = field(default_factory=threading.Event)  # done, or told to lead
+
+    @property
+    def new_tokens(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+@dataclass
+class SchedulerStats:
+    forwards: int = 0
+    rows: int = 0  # summed over forwards: rows per forward = rows / forwards
+    max_rows: int = 0  # the widest forward so far
+    busy_s: float = 0.0
+
+
+class Scheduler:
+    """Runs `ForwardJob`s over one model and one slot cache, batching whatever is queued.
+
+    In a multi-step round (proposals, multi-token greedy) a session comes back with its next
+    job a moment after the last one was served, once it has picked its token. A leader that
+    would start a forward while such a session is still missing waits for it, up to half the
+    last forward's time, so the streams stay in step instead of splitting into ever smaller
+    batches. Sessions gone over the wire are not waited for. A session alone never waits.
+    """
+
+    def __init__(self, model: LeanModel, cache: SlotCache, device: torch.device) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self._mutex = threading.Lock()
+        self._arrived = threading.Condition(self._mutex)
+        self._queue: list[ForwardJob] = []
+        self._busy = False
+        self._awaited: set[int] = set()  # ids of owners served with `more` that have not come back
+        self._last_forward_s = 0.0
+        self.stats = SchedulerStats()
+        self._compiled: Callable[..., ForwardOutput] | None = None
+
+    def compile(self, warm_rows: tuple[int, ...] = (1, 2, 4, 8), warm_tokens: tuple[int, ...] = (1,)) -> bool:
+        """Run forwards through `torch.compile` (CUDA graphs too on CUDA), shapes bucketed: rows
+        to powers of two, slots looked at to multiples of 64. Compiles the common buckets now
+        (decode at 1, 2, 4, 8 rows) and logs the time; on failure logs why and stays eager.
+        The compiled code is cached on disk (TORCHINDUCTOR_CACHE_DIR) for the next start."""
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "specwire" / "inductor"))
+        mode = "reduce-overhead" if self.device.type == "cuda" else None  # reduce-overhead = CUDA graphs
+        started = time.perf_counter()
+        try:
+            # CPU: one graph over symbolic shapes. CUDA: a graph per bucket shape (CUDA graphs want
+            # static shapes), so the recompile limit must cover the buckets.
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self._compiled = torch.compile(self.model.forward, dynamic=True if self.device.type == "cpu" else None, mode=mode)
+            scratch = self.cache.scratch_row
+            for rows in warm_rows:
+                for tokens in warm_tokens:
+                    job = ForwardJob([scratch] * rows, torch.zeros((rows, tokens), dtype=torch.long), 0, 1)
+                    self._forward([job])
+        except Exception as error:  # any compiler failure: serve eagerly
+            self._compiled = None
+            log.warning("torch.compile failed, serving eagerly: %s: %s", type(error).__name__, error)
+            return False
+        log.info("compiled the forward (%s) in %.1f s", self.device.type, time.perf_counter() - started)
+        return True
+
+    def forget(self, owner: object) -> None:
+        """`owner` sends no more jobs (its session closed): stop expecting it."""
+        with self._mutex:
+            self._awaited.discard(id(owner))
+            self._arrived.notify_all()
+
+    def run(self, job: ForwardJob) -> ForwardJob:
+        """Queue `job` and return once its results are in (running forwards while leading)."""
+        if job.new_tokens > PREFILL_CHUNK and job.tree_mask is None and job.positions is None:
+            return self._run_chunked(job)
+        with self._mutex:
+            self._queue.append(job)
+            if self._awaited:
+                self._awaited.discard(id(job.owner))
+                self._arrived.notify_all()
+            lead = not self._busy
+            self._busy = True
+        while True:
+            if not lead:
+                job._wake.wait()
+                job._wake.clear()
+                if job.done:
+                    break
+            self._lead_forwards(job)
+            if job.done:
+                break
+            lead = True
+        if job.error is not None:
+            raise job.error
+        return job
+
+    def _run_chunked(self, job: ForwardJob) -> ForwardJob:
+        """A long prefill as a sequence of PREFILL_CHUNK-token jobs, batched with the others."""
+        n = job.new_tokens
+        for begin in range(0, n, PREFILL_CHUNK):
+            end = min(n, begin + PREFILL_CHUNK)
+            keep = max(0, job.keep - (n - end))
+            part = self.run(ForwardJob(job.rows, job.tokens[:, begin:end], job.start + begin, max(keep, 1)))
+            if keep > 0:
+                assert part.logits is not None
+                job.logits = part.logits[:, -keep:] if job.logits is None else torch.cat([job.logits, part.logits[:, -keep:]], 1)
+        job.done = True
+        return job
+
+    def _lead_forwards(self, mine: ForwardJob) -> None:
+        """Run forwards over the queue until `mine` is done; then hand the lead on or go idle."""
+        while True:
+            with self._mutex:
+                if self._awaited:
+                    self._arrived.wait_for(lambda: not self._awaited, timeout=self._last_forward_s / 2)
+                    self._awaited.clear()  # the late ones join a later forward
+                batch, self._queue = self._queue, []
+            # A job wider than PREFILL_CHUNK (a wide tree) runs alone: nothing pads past SLACK.
+            wide = [job for job in batch if job.new_tokens > PREFILL_CHUNK]
+            for group in [[job] for job in wide] + [[job for job in batch if job.new_tokens <= PREFILL_CHUNK]]:
+                if group:
+                    self._execute(group)
+            with self._mutex:
+                if not self._queue:
+                    self._busy = False
+                    return
+                if mine.done:
+                    self._queue[0]._wake.set()  # its thread leads from here
+                    return
+
+    def _execute(self, jobs: list[ForwardJob]) -> None:
+        started = time.perf_counter()
+        try:
+            self._forward(jobs)
+        except BaseException as error:  # every waiter must wake, with the reason
+            for job in jobs:
+                job.error = error
+        self.stats.forwards += 1
+        rows = sum(len(job.rows) for job in jobs)
+        self.stats.rows += rows
+        self.stats.max_rows = max(self.stats.max_rows, rows)
+        elapsed = time.perf_counter() - started
+        self.stats.busy_s += elapsed
+        with self._mutex:
+            self._last_forward_s = elapsed
+            self._awaited |= {id(job.owner) for job in jobs if job.more and job.owner is not None}
+        for job in jobs:
+            job.done = True
+            job._wake.set()
+
+    @torch.inference_mode()
+    def _forward(self, jobs: list[ForwardJob]) -> None:
+        scores = any(job.want_attention for job in jobs)
+        if self._compiled is not None and not scores:
+            batch = build_batch(jobs, self.device, self.cache.scratch_row, pad_rows=True, key_multiple=64)
+            batch.contiguous_from, batch.dense = None, False  # one graph for every batch of a bucket
+            out = self._compiled(self.cache, batch)
+        else:
+            batch = build_batch(jobs, self.device, self.cache.scratch_row)
+            out = self.model.forward(self.cache, batch, attention_scores=scores)
+        picked = []  # hidden states of the positions whose logits are wanted
+        first = 0
+        for job in jobs:
+            count, n = len(job.rows), job.new_tokens
+            hidden = out.hidden[first : first + count, :n]  # [rows, n, hidden]
+            picked.append(hidden[:, n - job.keep :].flatten(0, 1))
+            if job.want_hidden:
+                job.hidden = hidden
+            if job.want_attention and out.attention_scores is not None:
+                job.attention_scores = out.attention_scores[first : first + count, :, :n, : job.start + n]
+            for row in job.rows:
+                self.cache.lengths[row] = job.start + n
+            first += count
+        logits = self.model.logits(torch.cat(picked)).float()  # [Σ rows·keep, vocab]
+        offset = 0
+        for job in jobs:
+            size = len(job.rows) * job.keep
+            job.logits = logits[offset : offset + size].view(len(job.rows), job.keep, -1)
+            offset += size
+
+
+def bucket(size: int) -> int:
+    """The next power of two: the row counts compiled code is specialised for."""
+    return 1 << max(0, size - 1).bit_length()
+
+
+def build_batch(
+    jobs: list[ForwardJob], device: torch.device, scratch_row: int, pad_rows: bool = False, key_multiple: int = 1
+) -> ForwardBatch:
+    """Pad the jobs' rows to one [B, T] batch with per-row slots, positions and key masks.
+
+    `pad_rows` rounds B up to a power of two with rows of the scratch row, and `key_multiple`
+    rounds the slots looked at (L) up, so compiled code sees few distinct shapes.
+    """
+    rows = [row for job in jobs for row in job.rows]
+    counts = [len(job.rows) for job in jobs]
+    T = max(job.new_tokens for job in jobs)
+    L = max(job.start + job.new_tokens for job in jobs)
+    L = -(-L // key_multiple) * key_multiple
+    B = bucket(len(rows)) if pad_rows else len(rows)
+    starts = torch.tensor([job.start for job in jobs]).repeat_interleave(torch.tensor(counts))  # [rows]
+    lengths = torch.tensor([job.new_tokens for job in jobs]).repeat_interleave(torch.tensor(counts))  # [rows]
+    if len(rows) < B:  # padding rows: the scratch row, one token at slot 0
+        starts = torch.cat([starts, torch.zeros(B - len(rows), dtype=torch.long)])
+        lengths = torch.cat([lengths, torch.ones(B - len(rows), dtype=torch.long)])
+        rows = rows + [scratch_row] * (B - len(rows))
+    offsets = torch.arange(T)
+    slots = starts[:, None] + offsets  # [B, T]
+    written = offsets < lengths[:, None]  # [B, T]: real tokens
+    input_ids = torch.zeros((B, T), dtype=torch.long)
+    first = 0
+    for job, count in zip(jobs, counts, strict=True):
+        input_ids[first : first + count, : job.new_tokens] = job.tokens
+        first += count
+    # Causal over the cache: token t of a row sees slots ≤ its own; padding sees slot 0 only (no NaN).
+    key_mask = torch.arange(L) <= torch.where(written, slots, 0)[:, :, None]  # [B, T, L]
+    positions = slots.clone()
+    first = 0
+    for job, count in zip(jobs, counts, strict=True):
+        n, start = job.new_tokens, job.start
+        if job.positions is not None:
+            positions[first : first + count, :n] = job.positions
+        if job.tree_mask is not None:
+            key_mask[first : first + count, :n, start : start + n] = job.tree_mask
+        first += count
+    contiguous = rows == list(range(rows[0], rows[0] + B))
+    return ForwardBatch(
+        rows=torch.tensor(rows, dtype=torch.long, device=device),
+        input_ids=input_ids.to(device),
+        slots=slots.to(device),
+        positions=positions.to(device),
+        key_mask=key_mask.to(device),
+        contiguous_from=rows[0] if contiguous else None,
+        dense=bool(key_mask.all()),
+    )

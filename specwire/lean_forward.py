@@ -1,0 +1,179 @@
+"""A lean batched forward over Hugging Face weights, reading and writing the slot cache.
+
+One call runs any mix of rows: each row brings its own new tokens, the cache slots they are
+written to, their positions (rotary or learned) and which cache slots each new token attends to.
+That one shape covers decoding (1 token), verification (γ+1), short prefills, and tree
+verification (positions = depth, `key_mask` = ancestors; Medusa). The call returns the final,
+normed hidden states of the new tokens (for the LM head, or Medusa heads) and, when asked, the
+last layer's pre-softmax attention scores (entropix's attention statistics).
+
+The layers are the model's own modules (projections, norms, MLPs, rotary embedding), so the
+arithmetic per token is the model's; what goes is transformers' generic per-call machinery —
+mask building, cache classes, output dataclasses — which dominates a small model's decode step.
+Supported: Llama, Qwen2 (without sliding windows) and GPT-2; other models use transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from specwire.slot_cache import CacheShape, SlotCache
+
+
+@dataclass
+class ForwardBatch:
+    """B rows × T new tokens (padding included); L = cache slots looked at."""
+
+    rows: torch.Tensor  # [B] long: the cache rows
+    input_ids: torch.Tensor  # [B, T] long
+    slots: torch.Tensor  # [B, T] long: where each new token's key/value is written
+    positions: torch.Tensor  # [B, T] long: its position (rotary / learned embedding)
+    key_mask: torch.Tensor  # [B, T, L] bool: cache slots each new token attends to (its own included)
+    # Every token is written, padding too: padding slots lie past their row's length (or in the
+    # scratch row), where nothing reads them before a real token overwrites them.
+    contiguous_from: int | None = None  # rows are range(contiguous_from, +B): slice, don't gather
+    dense: bool = False  # key_mask is all True (no mask needed)
+
+
+@dataclass
+class ForwardOutput:
+    hidden: torch.Tensor  # [B, T, hidden]: final-normed hidden states of the new tokens
+    attention_scores: torch.Tensor | None = None  # [B, heads, T, L]: last layer, pre-softmax, masked -inf
+
+
+class LeanModel(Protocol):
+    def cache_shape(self, rows: int, max_len: int) -> CacheShape: ...
+
+    def forward(self, cache: SlotCache, batch: ForwardBatch, attention_scores: bool = False) -> ForwardOutput: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def _attend(
+    query: torch.Tensor,  # [B, Hq, T, D]
+    cache: SlotCache,
+    layer: int,
+    key: torch.Tensor,  # [B, Hkv, T, D]
+    value: torch.Tensor,  # [B, Hkv, T, D]
+    batch: ForwardBatch,
+    scaling: float,
+    scores_out: list[torch.Tensor] | None,
+) -> torch.Tensor:
+    """Write the new keys/values into their slots, attend over the rows' slots: [B, T, Hq·D]."""
+    rows = batch.rows.unsqueeze(1)  # [B, 1], broadcast against slots [B, T]
+    cache.keys[layer][rows, :, batch.slots] = key.transpose(1, 2)  # [B, T, Hkv, D] at (row, :, slot)
+    cache.values[layer][rows, :, batch.slots] = value.transpose(1, 2)
+    length = batch.key_mask.shape[-1]
+    if batch.contiguous_from is not None:
+        first = batch.contiguous_from
+        keys = cache.keys[layer, first : first + len(batch.rows), :, :length]
+        values = cache.values[layer, first : first + len(batch.rows), :, :length]
+    else:
+        keys = cache.keys[layer, :, :, :length].index_select(0, batch.rows)  # [B, Hkv, L, D]
+        values = cache.values[layer, :, :, :length].index_select(0, batch.rows)
+    mask = None if batch.dense else batch.key_mask.unsqueeze(1)  # [B, 1, T, L]
+    gqa = query.shape[1] != keys.shape[1]
+    if scores_out is not None:
+        groups = query.shape[1] // keys.shape[1]
+        scores = query @ keys.repeat_interleave(groups, dim=1).transpose(-1, -2) * scaling  # [B, Hq, T, L]
+        scores_out.append(scores.masked_fill(~batch.key_mask.unsqueeze(1), float("-inf")))
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).flatten(2)  # [B, T, Hq·D]
+
+
+class LlamaLike:
+    """Llama and Qwen2: RMSNorm, rotary q/k (biases as the modules have them), gated MLP."""
+
+    def __init__(self, model: Any) -> None:
+        base = model.model
+        self.model = model
+        self.embed = base.embed_tokens
+        self.layers = list(base.layers)
+        self.norm = base.norm
+        self.rotary = base.rotary_emb
+        self.lm_head = model.lm_head
+        config = model.config
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.dtype = next(model.parameters()).dtype
+
+    def cache_shape(self, rows: int, max_len: int) -> CacheShape:
+        return CacheShape(len(self.layers), self.kv_heads, self.head_dim, rows, max_len, self.dtype)
+
+    def forward(self, cache: SlotCache, batch: ForwardBatch, attention_scores: bool = False) -> ForwardOutput:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        hidden = self.embed(batch.input_ids)  # [B, T, E]
+        cos, sin = self.rotary(hidden, batch.positions)  # [B, T, D]
+        B, T = batch.input_ids.shape
+        scores: list[torch.Tensor] = []
+        last = len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attn.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            wanted = scores if attention_scores and index == last else None
+            out = _attend(q, cache, index, k, v, batch, attn.scaling, wanted)
+            hidden = hidden + attn.o_proj(out)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return ForwardOutput(self.norm(hidden), scores[0] if scores else None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+class GPT2Like:
+    """GPT-2: learned positions, LayerNorm, fused c_attn (Conv1D), GELU MLP."""
+
+    def __init__(self, model: Any) -> None:
+        base = model.transformer
+        self.model = model
+        self.wte = base.wte
+        self.wpe = base.wpe
+        self.blocks = list(base.h)
+        self.ln_f = base.ln_f
+        self.lm_head = model.lm_head
+        config = model.config
+        self.heads = int(config.n_head)
+        self.head_dim = int(config.n_embd) // self.heads
+        self.dtype = next(model.parameters()).dtype
+
+    def cache_shape(self, rows: int, max_len: int) -> CacheShape:
+        return CacheShape(len(self.blocks), self.heads, self.head_dim, rows, max_len, self.dtype)
+
+    def forward(self, cache: SlotCache, batch: ForwardBatch, attention_scores: bool = False) -> ForwardOutput:
+        hidden = self.wte(batch.input_ids) + self.wpe(batch.positions)  # [B, T, E]
+        B, T = batch.input_ids.shape
+        scores: list[torch.Tensor] = []
+        last = len(self.blocks) - 1
+        for index, block in enumerate(self.blocks):
+            attn = block.attn
+            q, k, v = attn.c_attn(block.ln_1(hidden)).split(attn.split_size, dim=2)
+            q, k, v = (t.view(B, T, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            wanted = scores if attention_scores and index == last else None
+            out = _attend(q, cache, index, k, v, batch, attn.scaling, wanted)
+            hidden = hidden + attn.c_proj(out)
+            hidden = hidden + block.mlp(block.ln_2(hidden))
+        return ForwardOutput(self.ln_f(hidden), scores[0] if scores else None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+def lean_model(model: Any) -> LeanModel | None:
+    """The lean forward for this model, or None when only transformers' own forward fits."""
+    config = model.config
+    kind = getattr(config, "model_type", "")
+    if kind == "llama" or (kind == "qwen2" and not getattr(config, "use_sliding_window", False)):
+        return LlamaLike(model)
+    if kind == "gpt2" and not getattr(config, "reorder_and_upcast_attn", False):
+        return GPT2Like(model)
+    return None

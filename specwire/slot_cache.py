@@ -1,0 +1,156 @@
+"""One preallocated KV cache per model service, in rows that sessions own.
+
+Keys and values of every layer live in two tensors `[layers, rows + 1, kv_heads, max_len + SLACK,
+head_dim]`. The extra row and positions are scratch space for a batch's padding: a padded forward
+writes every token it computes, so no write depends on the data (which compiled code wants).
+A session owns one row per branch; a row's *length* says how many leading positions hold valid
+keys, so truncation is a length change. Fork and reorder copy rows. Rows return to the free
+pool when the session closes, however its stream ended. When no row is free, a caller waits —
+bounded by the queue limit and its deadline — and then gets `ResourceExhausted` naming the limit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specwire.errors import ResourceExhausted
+
+SLACK = 64  # positions past max_len a padding token may be written to; longer jobs never pad
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    rows: int
+    max_len: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Keys and values of one position of one row, over all layers."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def bytes(self) -> int:
+        return self.bytes_per_token * (self.rows + 1) * (self.max_len + SLACK)
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    """What `Info` and the metrics report about the cache."""
+
+    rows: int
+    rows_in_use: int
+    max_len: int
+    tokens_in_use: int
+    bytes_in_use: int
+    bytes_total: int
+    waiting: int
+
+
+class SlotCache:
+    """Keys, values and per-row lengths; the row pool is guarded by one condition."""
+
+    def __init__(self, shape: CacheShape, device: torch.device, max_waiting: int = 64) -> None:
+        self.shape = shape
+        self.device = device
+        size = (shape.layers, shape.rows + 1, shape.kv_heads, shape.max_len + SLACK, shape.head_dim)
+        self.scratch_row = shape.rows  # padding rows of a batch read and write here
+        # Zeros, not garbage: a padded slot is masked out of attention, but 0 × NaN would not be.
+        self.keys = torch.zeros(size, dtype=shape.dtype, device=device)
+        self.values = torch.zeros(size, dtype=shape.dtype, device=device)
+        self.lengths = [0] * (shape.rows + 1)
+        self._free = list(range(shape.rows - 1, -1, -1))  # pop() hands out low rows first
+        self._changed = threading.Condition()
+        self._waiting = 0
+        self.max_waiting = max_waiting
+
+    # -- the row pool ----------------------------------------------------------------------
+
+    def allocate(self, count: int, timeout_s: float | None, cancelled: Callable[[], bool] = lambda: False) -> list[int]:
+        """`count` rows, waiting at most `timeout_s` (None: the default wait) for others to free,
+        and no longer than `cancelled()` stays False (the caller's stream ended)."""
+        if count > self.shape.rows:
+            raise ResourceExhausted(f"cache rows: {count} wanted, the cache has {self.shape.rows} (--max-batch-rows)")
+        deadline = time.monotonic() + (30.0 if timeout_s is None else max(0.0, timeout_s))
+        with self._changed:
+            if len(self._free) < count:
+                if self._waiting >= self.max_waiting:
+                    raise ResourceExhausted(
+                        f"cache rows: all {self.shape.rows} in use and {self._waiting} sessions already waiting "
+                        "(--max-batch-rows, --max-queued-sessions)"
+                    )
+                self._waiting += 1
+                try:
+                    while len(self._free) < count:
+                        left = deadline - time.monotonic()
+                        if left <= 0 or cancelled():
+                            raise ResourceExhausted(
+                                f"cache rows: {count} wanted, {len(self._free)} of {self.shape.rows} free "
+                                "before the deadline (--max-batch-rows)"
+                            )
+                        self._changed.wait(min(left, 0.1))  # wakes to notice a cancelled caller
+                finally:
+                    self._waiting -= 1
+            rows = [self._free.pop() for _ in range(count)]
+        for row in rows:
+            self.lengths[row] = 0
+        return rows
+
+    def release(self, rows: list[int]) -> None:
+        with self._changed:
+            for row in rows:
+                self.lengths[row] = 0
+                self._free.append(row)
+            self._free.sort(reverse=True)
+            self._changed.notify_all()
+
+    def usage(self) -> CacheUsage:
+        with self._changed:
+            free = set(self._free)
+            used = [row for row in range(self.shape.rows) if row not in free]
+            tokens = sum(self.lengths[row] for row in used)
+            return CacheUsage(
+                rows=self.shape.rows,
+                rows_in_use=len(used),
+                max_len=self.shape.max_len,
+                tokens_in_use=tokens,
+                bytes_in_use=tokens * self.shape.bytes_per_token,
+                bytes_total=self.shape.bytes,
+                waiting=self._waiting,
+            )
+
+    # -- row contents ----------------------------------------------------------------------
+
+    def copy_rows(self, sources: list[int], targets: list[int]) -> None:
+        """targets[i] ← sources[i] (keys, values, length); sources may overlap targets."""
+        length = max((self.lengths[row] for row in sources), default=0)
+        if length:
+            src = torch.tensor(sources, device=self.device)
+            dst = torch.tensor(targets, device=self.device)
+            for store in (self.keys, self.values):
+                view = store[:, :, :, :length]
+                view.index_copy_(1, dst, view.index_select(1, src))  # index_select copies first
+        lengths = [self.lengths[row] for row in sources]
+        for row, kept in zip(targets, lengths, strict=True):
+            self.lengths[row] = kept
+
+    def keep_positions(self, row: int, start: int, kept: list[int]) -> None:
+        """Keep positions start+kept[i] at start+i and cut the row there (an accepted tree path).
+
+        `kept` are offsets from `start`, ascending. Keys keep the rotary positions they were
+        computed with, which is what a tree path wants: a node's position is its depth.
+        """
+        if kept != list(range(len(kept))):
+            index = torch.tensor([start + k for k in kept], device=self.device)
+            for store in (self.keys, self.values):
+                picked = store[:, row].index_select(2, index)  # [layers, kv_heads, len(kept), head_dim]
+                store[:, row, :, start : start + len(kept)] = picked
+        self.lengths[row] = start + len(kept)

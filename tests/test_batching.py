@@ -1,0 +1,244 @@
+"""The serving engine: the lean forward equals transformers', concurrent sessions batch without
+changing a token, the slot cache frees its rows however a stream ends, and the tree hooks
+(positions, masks, path compaction) equal plain decoding of the path."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from specwire.client import Client
+from specwire.client.sdk import GenerationError, build_request
+from specwire.orchestrator.generation import Decoder
+from specwire.orchestrator.models import LocalModel
+
+from specwire.batching import ForwardJob
+from specwire.engine import CausalLM, Engine, EngineLimits, SlotKV
+from specwire.errors import ResourceExhausted
+from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
+from tests.conftest import hf_model
+from tests.harness import Stack
+from tests.tiny import save_qwen2
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(models_dir: Path, tokenizer: Any) -> Path:
+    return save_qwen2(models_dir / "qwen2", tokenizer, seed=4)
+
+
+def engine(path: Path, **limits: Any) -> Engine:
+    return Engine(CausalLM.load(str(path), device="cpu", dtype="float32"), "target", EngineLimits(**limits))
+
+
+@pytest.mark.parametrize("arch", ["llama_target_dir", "gpt2_target_dir", "qwen2_dir"])
+def test_lean_forward_logits_equal_transformers(request: pytest.FixtureRequest, arch: str) -> None:
+    path = request.getfixturevalue(arch)
+    lean = engine(path, max_batch_rows=4, max_cache_len=64)
+    assert lean.batches
+    reference = hf_model(path)
+    ids = [5, 17, 42, 7, 99, 3, 11, 64, 23]
+    session = lean.new_session()
+    logits = [session.open(OpenRequest(prompt_ids=ids[:5], scoring=Scoring(ScoreKind.LOGITS, positions=5))).scores]
+    for token in ids[5:]:  # cached decoding, one token at a time
+        logits.append(session.step(StepRequest(append_ids=[token], scoring=Scoring(ScoreKind.LOGITS))).scores)
+    ours = torch.cat([scores.dense for scores in logits if scores is not None and scores.dense is not None])
+    with torch.no_grad():
+        theirs = reference(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"strategy": "greedy"}, {"strategy": "beam", "num_beams": 3, "num_return_sequences": 2}]
+)
+def test_qwen2_greedy_and_beam_equal_transformers(qwen2_dir: Path, tokenizer: Any, kwargs: dict[str, Any]) -> None:
+    decoder = Decoder(LocalModel(engine(qwen2_dir), "target"), None, tokenizer)
+    prompt_ids = tokenizer("def add(a, b):").input_ids
+    result = asyncio.run(decoder.generate(build_request(input_ids=prompt_ids, max_new_tokens=16, ignore_eos=True, **kwargs)))
+    hf_kwargs = {k: v for k, v in kwargs.items() if k != "strategy"}
+    with torch.no_grad():
+        expected = hf_model(qwen2_dir).generate(
+            torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0, **hf_kwargs
+        )
+    for ours, theirs in zip(result.sequences or [result], expected, strict=False):
+        assert ours.token_ids == theirs[len(prompt_ids):].tolist()
+
+
+def _hf_reference(model: Any, prompt_ids: list[int], kwargs: dict[str, Any]) -> list[int] | None:
+    """transformers' tokens for the greedy-equivalent strategies; None where it has no equal."""
+    if kwargs["strategy"] == "contrastive":
+        return None
+    beams = {"num_beams": kwargs["num_beams"]} if kwargs["strategy"] == "beam" else {}
+    penalty = {"repetition_penalty": kwargs["repetition_penalty"]} if "repetition_penalty" in kwargs else {}
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=kwargs["max_new_tokens"], do_sample=False,
+            eos_token_id=None, pad_token_id=0, **beams, **penalty,
+        )
+    return list(out[0, len(prompt_ids):].tolist())
+
+
+def test_concurrent_sessions_equal_their_solo_runs_and_transformers(
+    llama_stack: Stack, llama_target_dir: Path, tokenizer: Any
+) -> None:
+    """Eight interleaved generations of four strategies and different prompt lengths, plus
+    streams cut off by random deadlines: each output equals its solo run and transformers;
+    the forwards were shared; every row is free afterwards."""
+    prompts = ["def add(a, b):", "for i in range(10):\n    print(i * i)\n", "the", "import os\nimport sys\n"]
+    jobs: list[tuple[str, dict[str, Any]]] = [
+        (prompts[0], {"strategy": "greedy"}),
+        (prompts[1], {"strategy": "greedy", "repetition_penalty": 1.3}),
+        (prompts[2], {"strategy": "beam", "num_beams": 3}),
+        (prompts[3], {"strategy": "speculative", "num_speculative_tokens": 3}),
+        (prompts[1], {"strategy": "contrastive"}),
+        (prompts[2], {"strategy": "greedy"}),
+        (prompts[3], {"strategy": "beam", "num_beams": 2}),
+        (prompts[0], {"strategy": "speculative", "num_speculative_tokens": 5}),
+    ]
+    for _, kwargs in jobs:
+        kwargs.update(max_new_tokens=24, ignore_eos=True)
+    client = Client(llama_stack.address)
+
+    def run(job: tuple[str, dict[str, Any]]) -> list[int]:
+        prompt, kwargs = job
+        return list(client.generate(input_ids=tokenizer(prompt).input_ids, **kwargs).token_ids)
+
+    solo = [run(job) for job in jobs]
+    reference = hf_model(llama_target_dir)
+    for (prompt, kwargs), tokens in zip(jobs, solo, strict=True):
+        expected = _hf_reference(reference, tokenizer(prompt).input_ids, kwargs)
+        assert expected is None or tokens == expected, kwargs
+
+    backend = llama_stack.target.servicer.backend
+    assert isinstance(backend, Engine) and backend.scheduler is not None and backend.cache is not None
+    backend.scheduler.stats.max_rows = 0
+    rng = random.Random(7)
+
+    def cut_off(index: int) -> None:  # a stream cancelled at a random point by its deadline
+        prompt, kwargs = jobs[index % len(jobs)]
+        impatient = Client(llama_stack.address, timeout=rng.uniform(0.01, 0.2))
+        try:
+            impatient.generate(input_ids=tokenizer(prompt).input_ids, **(kwargs | {"max_new_tokens": 200}))
+        except GenerationError as error:
+            assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    with ThreadPoolExecutor(max_workers=len(jobs) + 3) as pool:
+        cancelled = [pool.submit(cut_off, i) for i in range(3)]
+        together = list(pool.map(run, jobs))
+        for future in cancelled:
+            future.result()
+    assert together == solo
+    assert backend.scheduler.stats.max_rows > 1  # the sessions did share forwards
+    deadline = time.monotonic() + 10
+    while backend.cache.usage().rows_in_use and time.monotonic() < deadline:
+        time.sleep(0.05)  # a cancelled stream's rows free when its in-flight forward ends
+    assert backend.cache.usage().rows_in_use == 0
+
+
+def test_rows_run_out_with_resource_exhausted_naming_the_limit(llama_target_dir: Path) -> None:
+    small = engine(llama_target_dir, max_batch_rows=3, max_cache_len=64, queue_timeout_s=0.2)
+    open_two = OpenRequest(prompt_ids=[1, 2, 3], num_branches=2)
+    with pytest.raises(ResourceExhausted, match="max-batch-rows"):
+        small.new_session().open(OpenRequest(prompt_ids=[1, 2, 3], num_branches=4))
+    holder = small.new_session()
+    holder.open(open_two)
+    waiter = small.new_session()
+    started = time.monotonic()
+    with pytest.raises(ResourceExhausted, match="max-batch-rows"):
+        waiter.open(open_two)  # one row free, two wanted: waits out the queue timeout
+    assert time.monotonic() - started >= 0.2
+    hurried = small.new_session()
+    hurried.set_deadline(0.01)  # the caller's deadline cuts the wait short
+    started = time.monotonic()
+    with pytest.raises(ResourceExhausted):
+        hurried.open(open_two)
+    assert time.monotonic() - started < 0.2
+    holder.close()
+    waiter.open(open_two)  # freed rows are handed out again
+    assert small.cache is not None and small.cache.usage().rows_in_use == 2
+    waiter.close()
+    assert small.cache.usage().rows_in_use == 0
+
+
+def test_tree_verification_hooks_equal_decoding_the_path(llama_target_dir: Path) -> None:
+    """Two branches of two tokens verified in one forward (positions = depth, ancestor mask),
+    then the accepted branch kept and compacted: logits equal plain decoding of that path."""
+    lean = engine(llama_target_dir, max_batch_rows=4, max_cache_len=64)
+    prompt = torch.tensor([[5, 17, 42, 7, 99]])
+    start = prompt.shape[1]
+
+    def prefilled() -> SlotKV:
+        kv = lean.new_session().kv
+        assert isinstance(kv, SlotKV)
+        kv.open(1)
+        kv.run(ForwardJob([], prompt, 0, 1))
+        return kv
+
+    tree = prefilled()
+    nodes = torch.tensor([[3, 11, 64, 23]])  # 3 → 11 and 64 → 23: two paths of depth 2
+    ancestors = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
+    depth = torch.tensor([[0, 1, 0, 1]])
+    job = tree.run(ForwardJob([], nodes, start, 4, positions=start + depth, tree_mask=ancestors, want_hidden=True))
+    assert job.hidden is not None and job.hidden.shape[:2] == (1, 4)
+    tree.keep_path(start, [2, 3])  # accept 64 → 23
+    after = tree.run(ForwardJob([], torch.tensor([[8]]), start + 2, 1)).logits
+
+    linear = prefilled()
+    path = linear.run(ForwardJob([], torch.tensor([[64, 23, 8]]), start, 3)).logits
+    assert job.logits is not None and path is not None and after is not None
+    torch.testing.assert_close(job.logits[:, 2:], path[:, :2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(after[:, 0], path[:, 2], atol=1e-5, rtol=1e-5)
+
+
+def test_attention_scores_hook_returns_the_last_layers_scores(llama_target_dir: Path) -> None:
+    lean = engine(llama_target_dir, max_batch_rows=2, max_cache_len=64)
+    kv = lean.new_session().kv
+    assert isinstance(kv, SlotKV)
+    kv.open(1)
+    job = kv.run(ForwardJob([], torch.tensor([[5, 17, 42]]), 0, 1, want_attention=True))
+    scores = job.attention_scores
+    assert scores is not None and scores.shape == (1, 4, 3, 3)  # [rows, heads, new, slots]
+    assert torch.isinf(scores[0, :, 0, 1:]).all() and torch.isfinite(scores[0, :, 2]).all()  # causal
+
+
+def test_cache_use_is_reported_in_info_and_metrics(llama_target_dir: Path) -> None:
+    from specwire import wire
+    from specwire.metrics import ModelServiceMetrics
+
+    lean = engine(llama_target_dir, max_batch_rows=4, max_cache_len=64)
+    assert lean.cache is not None
+    metrics = ModelServiceMetrics("target", process_metrics=False)
+    metrics.watch_cache(lean.cache.usage)
+    session = lean.new_session()
+    session.open(OpenRequest(prompt_ids=[1, 2, 3, 4, 5], num_branches=2, scoring=Scoring(ScoreKind.ARGMAX)))
+    info = wire.info_from_pb(wire.info_to_pb(lean.info()))  # what a caller of Info sees
+    assert info.cache is not None and "batching" in info.capabilities
+    assert (info.cache.rows, info.cache.rows_in_use, info.cache.max_len, info.cache.tokens_in_use) == (4, 2, 64, 10)
+    assert info.cache.bytes_in_use == 10 * lean.cache.shape.bytes_per_token
+    sample = metrics.registry.get_sample_value
+    assert sample("specwire_kv_cache_rows", {"state": "in_use"}) == 2
+    assert sample("specwire_kv_cache_rows", {"state": "free"}) == 2
+    assert sample("specwire_kv_cache_slot_tokens") == 10
+    session.close()
+    assert sample("specwire_kv_cache_rows", {"state": "in_use"}) == 0
+
+
+def test_a_forward_that_fails_to_compile_is_served_eagerly(
+    llama_target_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken_compile(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    with caplog.at_level("WARNING", logger="specwire"):
+        lean = engine(llama_target_dir, max_batch_rows=2, max_cache_len=64, compile="on")
+    assert "serving eagerly" in caplog.text and "no compiler here" in caplog.text
+    session = lean.new_session()
+    result = session.open(OpenRequest(prompt_ids=[5, 17, 42], scoring=Scoring(ScoreKind.ARGMAX)))
+    assert result.scores is not None and result.scores.rows == 1
