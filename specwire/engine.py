@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 
 from specwire.errors import InvalidArgument, check_token_ids
+from specwire.medusa import MedusaHeads, tree_attention, tree_depths, tree_path
 from specwire.processing import (
     ProcessingConfig,
     apply_penalties,
@@ -105,6 +106,19 @@ class CausalLM:
     eos_token_ids: list[int]
     max_context: int
     accepts_logits_to_keep: bool
+    medusa: MedusaHeads | None = None  # heads on the last hidden state (`--medusa DIR`)
+
+    def attach_medusa(self, directory: str) -> None:
+        """Load Medusa heads saved beside this model; they run in the base model's forward."""
+        heads = MedusaHeads.load(directory)
+        hidden = int(self.model.get_output_embeddings().weight.shape[1])
+        if (heads.config.hidden_size, heads.config.vocab_size) != (hidden, self.vocab_size):
+            raise ValueError(
+                f"--medusa: heads for hidden {heads.config.hidden_size} / vocab {heads.config.vocab_size}, "
+                f"model has {hidden} / {self.vocab_size}"
+            )
+        dtype = next(self.model.parameters()).dtype
+        self.medusa = heads.to(device=self.device, dtype=dtype)
 
     @classmethod
     def load(cls, source: str, device: str = "auto", dtype: str = "auto", name: str | None = None) -> CausalLM:
@@ -153,11 +167,12 @@ class Engine:
             tokenizer_fingerprint=self._fingerprint,
             eos_token_ids=self.lm.eos_token_ids,
             max_context=self.lm.max_context,
-            capabilities=["session", "propose", "branches"],
+            capabilities=["session", "propose", "branches", "tree"] + (["medusa"] if self.lm.medusa else []),
             role=self.role,
             tokenizer_source=self.lm.tokenizer_source,
             device=str(self.lm.device),
             dtype=str(next(self.lm.model.parameters()).dtype).removeprefix("torch."),
+            medusa_heads=self.lm.medusa.num_heads if self.lm.medusa else 0,
         )
 
     def new_session(self) -> EngineSession:
@@ -204,6 +219,9 @@ class EngineSession:
         self.cached = 0  # leading positions held in the KV cache
         self.processing = ProcessingConfig()
         self.forward_calls = 0
+        # A tree appended by the last step: committed tokens before it, and its parents.
+        self.tree_start: int | None = None
+        self.tree_parents: list[int] = []
 
     @property
     def num_branches(self) -> int:
@@ -224,11 +242,17 @@ class EngineSession:
         prompt = torch.tensor(request.prompt_ids, dtype=torch.long).unsqueeze(0)
         self.tokens = prompt.expand(request.num_branches, -1).clone()
         self.cache, self.cached = None, 0
+        self.tree_start = None
         return self._finish(request.scoring, 0, False, 0, 0.0)
 
     def step(self, request: StepRequest) -> StepResult:
+        if request.tree_keep:
+            self._keep_tree(request.tree_keep)
+        elif self.tree_start is not None:
+            self._truncate(self.tree_start)
+        self.tree_start = None
         if request.tree_parents:
-            raise InvalidArgument("tree_parents", "tree verification is not supported by this service")
+            return self._step_tree(request)
         if request.keep_tokens is not None:
             self._truncate(request.keep_tokens)
         if request.branch_order:
@@ -245,7 +269,52 @@ class EngineSession:
             request.propose_min_confidence,
         )
 
+    def _step_tree(self, request: StepRequest) -> StepResult:
+        """Append a tree of nodes and score every one of them in one forward (tree attention)."""
+        if request.keep_tokens is not None:
+            self._truncate(request.keep_tokens)
+        if self.num_branches != 1 or request.branch_order:
+            raise InvalidArgument("tree_parents", "tree verification needs exactly one branch")
+        if request.propose:
+            raise InvalidArgument("propose", "cannot be combined with tree_parents")
+        if len(request.tree_parents) != len(request.append_ids):
+            raise InvalidArgument(
+                "tree_parents", f"has {len(request.tree_parents)} entries for {len(request.append_ids)} append_ids"
+            )
+        try:
+            tree_depths(request.tree_parents)
+        except ValueError as error:
+            raise InvalidArgument("tree_parents", str(error)) from None
+        if request.scoring.kind != ScoreKind.NONE and request.scoring.positions != len(request.append_ids):
+            raise InvalidArgument(
+                "scoring.positions", f"must equal the tree's {len(request.append_ids)} nodes, got {request.scoring.positions}"
+            )
+        start = self.length
+        self._append(request.append_ids)
+        self.tree_start, self.tree_parents = start, list(request.tree_parents)
+        return self._finish(request.scoring, 0, False, 0, 0.0, tree=self.tree_parents)
+
+    def _keep_tree(self, nodes: list[int]) -> None:
+        """Keep one root-to-node path of the last tree; move its KV to contiguous positions."""
+        if self.tree_start is None:
+            raise InvalidArgument("tree_keep", "the previous step appended no tree")
+        start, parents = self.tree_start, self.tree_parents
+        expected = [-1, *nodes[:-1]]
+        if any(not 0 <= node < len(parents) for node in nodes) or [parents[n] for n in nodes] != expected:
+            raise InvalidArgument("tree_keep", f"must be a root-to-node path of the {len(parents)}-node tree")
+        source = torch.tensor(nodes, dtype=torch.long) + start  # [m] positions of the kept nodes
+        self.tokens = torch.cat([self.tokens[:, :start], self.tokens[:, source]], dim=1)
+        if self.cache is not None and self.cached > start:
+            on_device = source.to(self.lm.device)
+            for layer in self.cache.layers:
+                keys, values = cast(Any, layer).keys, cast(Any, layer).values  # [1, heads, cached, dim]
+                keys[:, :, start : start + len(nodes)] = keys.index_select(2, on_device)
+                values[:, :, start : start + len(nodes)] = values.index_select(2, on_device)
+            self.cache.crop(self.length)
+            self.cached = self.length
+
     def close(self) -> None:
+        self.tree_start = None
         self.cache = None
         self.tokens = torch.empty((1, 0), dtype=torch.long)
         self.cached = 0
@@ -312,19 +381,75 @@ class EngineSession:
         self.forward_calls += 1
         return out.logits[:, -positions:, :].float()
 
-    def _score(self, scoring: Scoring) -> Scores | None:
+    @torch.inference_mode()
+    def _forward_tree(self, positions: int, tree: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and last hidden states of the last `positions` tokens, one branch.
+
+        The tokens not yet cached form a chain, then (when `tree` is given) the tree's nodes,
+        whose parents index the tree; a node attends to the cache and its own ancestors, at
+        position cached + depth (Medusa's tree attention). Returns [positions, vocab] float32
+        logits and [positions, hidden] hidden states.
+        """
+        start = min(self.cached, self.length - positions)
+        if start < self.cached:
+            self._crop_cache(start)
+        if self.cache is None:
+            self.cache = DynamicCache()
+        chain = self.length - start - (len(tree) if tree else 0)
+        parents = list(range(-1, chain - 1))  # [pending] the chain of uncached committed tokens
+        parents += [chain - 1 if p < 0 else chain + p for p in tree or []]
+        allowed = torch.cat([torch.ones(len(parents), start, dtype=torch.bool), tree_attention(parents)], dim=1)
+        device, dtype = self.lm.device, next(self.lm.model.parameters()).dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        positions_ids = start + torch.tensor(tree_depths(parents), dtype=torch.long)  # [pending]
+        out = self.lm.model.base_model(
+            input_ids=self.tokens[:, start:].to(device),
+            attention_mask=mask[None, None].to(device),  # [1, 1, pending, start + pending]
+            position_ids=positions_ids[None].to(device),
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.cached = self.length
+        self.forward_calls += 1
+        hidden = out.last_hidden_state[0, -positions:]  # [positions, hidden]
+        return self.lm.model.get_output_embeddings()(hidden).float(), hidden
+
+    def _score(self, scoring: Scoring, tree: list[int] | None = None) -> tuple[Scores | None, torch.Tensor | None]:
         if scoring.kind == ScoreKind.NONE:
-            return None
+            return None, None
         positions = scoring.positions
         if not 1 <= positions <= self.length:
             raise InvalidArgument("scoring.positions", f"must be in [1, {self.length}], got {positions}")
         score_ids = self._score_ids(scoring)  # checked before paying for a forward pass
-        logits = self._forward(positions)  # [branches, positions, vocab]
+        medusa_ids = None
+        if scoring.medusa_top_k or tree:
+            if self.lm.medusa is None and scoring.medusa_top_k:
+                raise InvalidArgument("scoring.medusa_top_k", "this service has no Medusa heads (--medusa)")
+            if self.num_branches != 1:
+                raise InvalidArgument("scoring.medusa_top_k", "needs exactly one branch")
+            if not 0 <= scoring.medusa_top_k <= self.lm.vocab_size:
+                raise InvalidArgument("scoring.medusa_top_k", f"must be in [0, {self.lm.vocab_size}]")
+            flat, hidden = self._forward_tree(positions, tree)
+            logits = flat[None]  # [1, positions, vocab]
+            if scoring.medusa_top_k and self.lm.medusa is not None:
+                with torch.inference_mode():
+                    head_logits = self.lm.medusa(hidden)  # [positions, heads, vocab]
+                medusa_ids = head_logits.topk(scoring.medusa_top_k, dim=-1).indices.to(torch.int32).cpu()
+        else:
+            logits = self._forward(positions)  # [branches, positions, vocab]
+        start = self.length - positions
         per_position = []
         for j in range(positions):
-            history = self.tokens[:, : self.length - positions + j + 1].to(logits.device)
-            per_position.append(self._process(scoring, logits[:, j], history))
+            if tree:  # a node's history is the committed tokens and its own path
+                path = torch.tensor(tree_path(tree, j), dtype=torch.long) + start
+                history = torch.cat([self.tokens[:, :start], self.tokens[:, path]], dim=1)
+            else:
+                history = self.tokens[:, : start + j + 1]
+            per_position.append(self._process(scoring, logits[:, j], history.to(logits.device)))
         processed = torch.stack(per_position, dim=1).flatten(0, 1)  # [branches·positions, vocab]
+        return self._encode(scoring, processed, score_ids), medusa_ids
+
+    def _encode(self, scoring: Scoring, processed: torch.Tensor, score_ids: torch.Tensor | None) -> Scores:
         config = self.processing
         if scoring.kind == ScoreKind.ARGMAX:
             return Scores(ScoreKind.ARGMAX, argmax_ids=processed.argmax(dim=-1).to(torch.int32))
@@ -392,9 +517,11 @@ class EngineSession:
         probs = torch.stack(dists, dim=1).flatten(0, 1)  # [branches·n, vocab]
         return proposed, encode_probs(probs, self.processing)
 
-    def _finish(self, scoring: Scoring, propose: int, greedy: bool, seed: int, min_confidence: float) -> StepResult:
+    def _finish(
+        self, scoring: Scoring, propose: int, greedy: bool, seed: int, min_confidence: float, tree: list[int] | None = None
+    ) -> StepResult:
         calls_before = self.forward_calls
-        scores = self._score(scoring)
+        scores, medusa_ids = self._score(scoring, tree)
         proposed, proposal_scores = None, None
         if propose > 0:
             self._check_length(self.length + propose, "propose")
@@ -408,4 +535,5 @@ class EngineSession:
             proposal_scores=proposal_scores,
             num_tokens=self.length,
             timing=ServerTiming(forward_calls=self.forward_calls - calls_before),
+            medusa_ids=medusa_ids,
         )

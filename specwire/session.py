@@ -38,6 +38,8 @@ class Scoring:
     logits_dtype: str = "float32"
     # LOGITS / LOGPROBS: only these ids' scores, for every row (sparse); empty = all / top_n.
     score_ids: tuple[int, ...] = ()
+    # Medusa: each head's top `medusa_top_k` ids at every scored position too (0 = none).
+    medusa_top_k: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class StepRequest:
     propose_seed: int = 0
     propose_min_confidence: float = 0.0
     tree_parents: list[int] = field(default_factory=list)
+    tree_keep: list[int] = field(default_factory=list)  # the previous tree's kept root-to-node path
     trace: dict[str, str] | None = None
 
 
@@ -107,6 +110,7 @@ class StepResult:
     proposal_scores: Scores | None = None
     num_tokens: int = 0
     timing: ServerTiming = field(default_factory=ServerTiming)
+    medusa_ids: torch.Tensor | None = None  # [rows, heads, medusa_top_k]
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,7 @@ class ModelInfo:
     tokenizer_source: str = ""
     device: str = "cpu"
     dtype: str = "float32"
+    medusa_heads: int = 0
 
 
 class BackendSession(Protocol):
