@@ -32,6 +32,9 @@ GENERATION_FLAGS: list[tuple[str, Any, str]] = [
     ("--cd-alpha", float, "contrastive plausibility cut-off α"),
     ("--cd-beta", float, "O'Brien & Lewis contrast weight β"),
     ("--amateur-temperature", float, "Li et al. amateur temperature τ"),
+    ("--medusa-acceptance", str, "medusa sampling: lossless (default) | typical (LOSSY)"),
+    ("--posterior-threshold", float, "typical acceptance ε (default 0.09)"),
+    ("--posterior-alpha", float, "typical acceptance δ (default 0.3)"),
     ("--seed", int, "seed every random choice of the request"),
 ]
 
@@ -43,6 +46,8 @@ def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: i
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=port, help="0 picks a free port")
     parser.add_argument("--max-sessions", type=int, default=256, help="concurrent sessions before RESOURCE_EXHAUSTED")
+    if role == "target":
+        parser.add_argument("--medusa", help="Medusa heads directory (default: the demo target's own heads)")
     if role == "draft":
         parser.add_argument("--drafter", default="model", choices=["model", "ngram"])
         parser.add_argument("--ngram-max", type=int, default=3, help="n-gram drafter: longest n-gram to match")
@@ -129,6 +134,7 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-model", help="target model directory or hub id (default: demo target)")
     parser.add_argument("--draft-model", help="draft model directory or hub id (default: demo draft)")
     parser.add_argument("--drafter", default="model", choices=["model", "ngram"])
+    parser.add_argument("--medusa", help="Medusa heads directory for the target (default: the demo target's)")
     parser.add_argument("--port", type=int, default=50051, help="orchestrator port; draft on +1, target on +2")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
@@ -140,7 +146,8 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--strategy", default="greedy", help="greedy | sample | beam | speculative | contrastive")
+    parser.add_argument("--strategy", default="greedy", help="greedy | sample | beam | speculative | contrastive | medusa")
+    parser.add_argument("--medusa-choices", help="medusa candidate tree: a JSON file (or inline JSON) of top-k paths")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
@@ -157,6 +164,9 @@ def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.ignore_eos:
         kwargs["ignore_eos"] = True
+    if args.medusa_choices:
+        text = args.medusa_choices
+        kwargs["medusa_choices"] = text if text.lstrip().startswith("[") else Path(text).read_text()
     return kwargs
 
 
@@ -221,7 +231,7 @@ def _stack_config(args: argparse.Namespace) -> Any:
         drafter=args.drafter,
         device=args.device,
         dtype=args.dtype,
-        extra_target_args=_stack_telemetry_args(args, "target", 2),
+        extra_target_args=_stack_telemetry_args(args, "target", 2) + (("--medusa", args.medusa) if args.medusa else ()),
         extra_draft_args=_stack_telemetry_args(args, "draft", 1),
         extra_orchestrator_args=_stack_telemetry_args(args, "orchestrator", 0),
         rtt_ms=args.rtt_ms,
@@ -322,6 +332,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         max_sessions=args.max_sessions,
         drafter=getattr(args, "drafter", "model"),
+        medusa=getattr(args, "medusa", None),
         ngram_max=getattr(args, "ngram_max", 3),
         ngram_min=getattr(args, "ngram_min", 1),
         telemetry=_telemetry_config(args),

@@ -11,6 +11,7 @@ caller's trace. Without a provider this costs a no-op span per call.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
@@ -133,6 +134,8 @@ def build_request(
     if early_stopping is not None:
         request.early_stopping = str(early_stopping).lower()
     for name, value in params.items():
+        if name == "medusa_choices" and not isinstance(value, str) and value is not None:
+            value = json.dumps([list(path) for path in value])  # paths of top-k indices
         if value is not None:
             setattr(request, name, value)
     return request

@@ -6,15 +6,18 @@ any session is opened.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
 from specwire.v1 import orchestrator_pb2
 
 from specwire.errors import InvalidArgument, check_token_ids
+from specwire.medusa import build_tree
 from specwire.processing import ProcessingConfig
 
-STRATEGIES = ("greedy", "sample", "beam", "speculative", "contrastive")
+STRATEGIES = ("greedy", "sample", "beam", "speculative", "contrastive", "medusa")
+MEDUSA_ACCEPTANCE = ("lossless", "typical")
 MAX_BEAMS = 32
 MAX_SPECULATIVE_TOKENS = 64
 MAX_STOP_STRINGS = 16
@@ -48,6 +51,11 @@ class GenerationParams:
     cd_alpha: float = 0.1
     cd_beta: float = 0.5
     amateur_temperature: float = 1.0
+    # Medusa: the tree's paths ([] = the strategy's default) and the sampled acceptance rule.
+    medusa_choices: list[list[int]] = field(default_factory=list)
+    medusa_acceptance: str = "lossless"  # or "typical": LOSSY
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
     # Tokens are drawn at random (else argmax): strategy "sample", or speculative / contrastive
     # with a sampling warper set; temperature 0 always means argmax.
     do_sample: bool = False
@@ -139,6 +147,17 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     if amateur_t <= 0:
         raise InvalidArgument("amateur_temperature", f"must be > 0, got {amateur_t}")
 
+    medusa_choices = parse_medusa_choices(request.medusa_choices) if request.medusa_choices else []
+    acceptance = request.medusa_acceptance or "lossless"
+    if acceptance not in MEDUSA_ACCEPTANCE:
+        raise InvalidArgument("medusa_acceptance", f"must be 'lossless' or 'typical' (lossy), got {acceptance!r}")
+    posterior_threshold = _finite(_opt(request, "posterior_threshold", 0.09), "posterior_threshold")
+    if not 0 < posterior_threshold <= 1:
+        raise InvalidArgument("posterior_threshold", f"must be in (0, 1], got {posterior_threshold}")
+    posterior_alpha = _finite(_opt(request, "posterior_alpha", 0.3), "posterior_alpha")
+    if not 0 < posterior_alpha <= 1:
+        raise InvalidArgument("posterior_alpha", f"must be in (0, 1], got {posterior_alpha}")
+
     if len(request.stop) > MAX_STOP_STRINGS or any(not s for s in request.stop):
         raise InvalidArgument("stop", f"at most {MAX_STOP_STRINGS} non-empty strings")
     if request.stop and num_beams > 1:
@@ -146,7 +165,7 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
 
     sampling_fields = ("temperature", "top_k", "top_p", "min_p")
     sampling_asked = strategy == "sample" or (
-        strategy in ("speculative", "contrastive") and any(request.HasField(name) for name in sampling_fields)
+        strategy in ("speculative", "contrastive", "medusa") and any(request.HasField(name) for name in sampling_fields)
     )
     if strategy == "beam" and any(request.HasField(name) for name in sampling_fields):
         raise InvalidArgument("temperature", "beam search here is deterministic; sampling warpers do not apply")
@@ -175,5 +194,28 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
         cd_alpha=cd_alpha,
         cd_beta=cd_beta,
         amateur_temperature=amateur_t,
+        medusa_choices=medusa_choices,
+        medusa_acceptance=acceptance,
+        posterior_threshold=posterior_threshold,
+        posterior_alpha=posterior_alpha,
         do_sample=sampling_asked and temperature > 0,
     )
+
+
+MAX_MEDUSA_NODES = 256
+
+
+def parse_medusa_choices(text: str) -> list[list[int]]:
+    """`medusa_choices`: a JSON list of paths of top-k indices whose prefixes are paths too."""
+    try:
+        choices = json.loads(text)
+        if not isinstance(choices, list) or not all(
+            isinstance(c, list) and c and all(isinstance(i, int) and 0 <= i < 1024 for i in c) for c in choices
+        ):
+            raise ValueError("expected a list of non-empty lists of top-k indices in [0, 1024)")
+        build_tree(choices)
+    except ValueError as error:
+        raise InvalidArgument("medusa_choices", f"must be a JSON list of paths of top-k indices: {error}") from None
+    if not 1 <= len(choices) < MAX_MEDUSA_NODES:
+        raise InvalidArgument("medusa_choices", f"must name between 1 and {MAX_MEDUSA_NODES - 1} paths")
+    return [list(c) for c in choices]

@@ -294,6 +294,7 @@ class EngineSession:
         self.tree_start, self.tree_parents = start, list(request.tree_parents)
         return self._finish(request.scoring, 0, False, 0, 0.0, tree=self.tree_parents)
 
+    @torch.inference_mode()
     def _keep_tree(self, nodes: list[int]) -> None:
         """Keep one root-to-node path of the last tree; move its KV to contiguous positions."""
         if self.tree_start is None:
@@ -310,7 +311,8 @@ class EngineSession:
                 keys, values = cast(Any, layer).keys, cast(Any, layer).values  # [1, heads, cached, dim]
                 keys[:, :, start : start + len(nodes)] = keys.index_select(2, on_device)
                 values[:, :, start : start + len(nodes)] = values.index_select(2, on_device)
-            self.cache.crop(self.length)
+            if self.cached > self.length:
+                self.cache.crop(self.length - self.cached)  # transformers ≥ 5: a negative count to remove
             self.cached = self.length
 
     def close(self) -> None:
