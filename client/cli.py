@@ -15,6 +15,7 @@ from typing import Any
 
 from specwire.bench import bench, experiment
 from specwire.client.sdk import Client, GenerateResult, GenerationError, stats_as_dict
+from specwire.target_service import train_medusa
 
 # Generation flags: (flag, type, help). The SDK keyword is the flag with underscores.
 GENERATION_FLAGS: list[tuple[str, Any, str]] = [
@@ -127,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     summarize.add_argument("--json", action="store_true", help="print the summary as JSON")
     bench.add_parser(commands)
     experiment.add_parser(commands)
+    train_medusa.add_parser(commands)
     return parser
 
 
@@ -367,7 +369,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run}
+COMMANDS = {"generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "train-medusa": train_medusa.main}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -208,7 +208,7 @@ def _decide(ctx: DecodeContext, tokens: torch.Tensor, parents: list[int], scores
         return accept_tree_typical(
             tokens, parents, probs, params.posterior_threshold, params.posterior_alpha, ctx.generator
         )
-    last, next_token = accept_tree_sampled(tokens, parents, probs, ctx.generator)
+    last, next_token = accept_tree_sampled(tokens, parents, probs.unsqueeze(0), ctx.generator)
     return tree_path(parents, int(last[0])), int(next_token[0])
 
 
