@@ -106,6 +106,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     started = time.perf_counter()
     bar = tqdm(range(args.steps), desc="train-medusa", unit="step")
+    history: list[list[float]] = []
     for step in bar:
         scale = min(1.0, (step + 1) / max(1, args.steps // 20))  # linear warm-up, then cosine decay
         scale *= 0.5 * (1 + math.cos(math.pi * step / args.steps))
@@ -120,7 +121,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         losses.sum().backward()
         optimizer.step()
-        bar.set_postfix(loss=" ".join(f"{value:.2f}" for value in losses.tolist()))
+        history.append(losses.tolist())
+        bar.set_postfix(loss=" ".join(f"{value:.2f}" for value in history[-1]))
     heads.eval()
     accuracy = head_accuracy(model, heads, val_windows, args.batch_size)
     heads.save(args.out)
@@ -135,6 +137,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "lr": args.lr,
         "seed": args.seed,
         "train_seconds": round(time.perf_counter() - started, 1),
+        # Per head, mean training loss over the first and the last tenth of the steps.
+        "loss_first": np.mean(history[: max(1, len(history) // 10)], axis=0).tolist(),
+        "loss_last": np.mean(history[-max(1, len(history) // 10) :], axis=0).tolist(),
         "held_out_accuracy": accuracy,
     }
     (Path(args.out) / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -3,8 +3,10 @@ heads; processors included), and a round is one message with one forward."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 from specwire.client import Client
+from specwire.v1 import model_pb2, model_pb2_grpc
 
 from tests.harness import Stack
 
@@ -45,3 +47,25 @@ def test_custom_tree_and_short_outputs(llama_medusa_stack: Stack) -> None:
                 "the quick", strategy="medusa", max_new_tokens=max_new, ignore_eos=True, medusa_choices=choices
             )
             assert result.token_ids == expected.token_ids
+
+
+def test_info_lists_medusa_with_the_head_count(llama_medusa_stack: Stack, llama_stack: Stack) -> None:
+    with grpc.insecure_channel(llama_medusa_stack.target.address) as channel:
+        info = model_pb2_grpc.ModelServiceStub(channel).Info(model_pb2.InfoRequest())
+    assert "medusa" in info.capabilities and "tree" in info.capabilities and info.medusa_heads == 3
+    with grpc.insecure_channel(llama_stack.target.address) as channel:
+        plain = model_pb2_grpc.ModelServiceStub(channel).Info(model_pb2.InfoRequest())
+    assert "medusa" not in plain.capabilities and plain.medusa_heads == 0
+    assert "medusa" in Client(llama_medusa_stack.address).info().strategies
+
+
+def test_round_statistics_add_up(llama_medusa_stack: Stack) -> None:
+    result = Client(llama_medusa_stack.address).generate("def add", strategy="medusa", max_new_tokens=12, ignore_eos=True)
+    stats = result.stats
+    assert sum(stats.accepted_length_histogram) == stats.rounds - 1
+    assert stats.accepted_tokens == sum(k * n for k, n in enumerate(stats.accepted_length_histogram))
+    assert len(stats.medusa_head_acceptance) == 3
+    assert stats.medusa_head_acceptance[0] == pytest.approx(
+        sum(stats.accepted_length_histogram[1:]) / (stats.rounds - 1)
+    )
+    assert stats.new_tokens == 1 + stats.accepted_tokens + stats.corrections + stats.bonus_tokens
