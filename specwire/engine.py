@@ -440,6 +440,9 @@ class EngineSession:
         else:
             logits = self._forward(positions)  # [branches, positions, vocab]
         start = self.length - positions
+        if tree and not self.processing.has_penalties:  # no history dependence: every node at once
+            processed = self._process(scoring, logits[0], self.tokens[:, :start].expand(positions, -1))
+            return self._encode(scoring, processed, score_ids), medusa_ids
         per_position = []
         for j in range(positions):
             if tree:  # a node's history is the committed tokens and its own path

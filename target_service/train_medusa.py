@@ -127,7 +127,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     accuracy = head_accuracy(model, heads, val_windows, args.batch_size)
     heads.save(args.out)
     report = {
-        "model": str(args.model),
+        "model": "specwire-demo-target" if Path(args.model) == demo_target_dir() else Path(args.model).name,
         "loss": args.loss,
         "heads": args.heads,
         "layers": args.layers,

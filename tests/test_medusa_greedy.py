@@ -3,19 +3,35 @@ heads; processors included), and a round is one message with one forward."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import grpc
 import pytest
 from specwire.client import Client
 from specwire.v1 import model_pb2, model_pb2_grpc
 
-from tests.harness import Stack
+from specwire.demo import demo_draft_dir, demo_medusa_dir, demo_target_dir
+from tests.harness import LoopThread, Stack
+from tests.medusa_fixtures import medusa_stack
 
 pytest_plugins = ["tests.medusa_fixtures"]
 
 PROMPTS = ["def add(a, b):", "the quick brown fox", "for i in range(10):\n    print(i"]
 
 
-@pytest.fixture(scope="module", params=["llama_medusa_stack", "gpt2_medusa_stack"])
+
+
+
+@pytest.fixture(scope="session")
+def demo_medusa_stack(loop: LoopThread) -> Iterator[Stack]:
+    if not (demo_medusa_dir() / "medusa_config.json").exists():
+        pytest.skip("the demo target's heads are not built")
+    stack = medusa_stack(loop, demo_target_dir(), demo_medusa_dir(), demo_draft_dir())
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module", params=["llama_medusa_stack", "gpt2_medusa_stack", "demo_medusa_stack"])
 def stack(request: pytest.FixtureRequest) -> Stack:
     return request.getfixturevalue(request.param)  # type: ignore[no-any-return]
 
