@@ -100,8 +100,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     val_windows = windows(val_stream, args.seq_len)[: args.eval_windows]
     lm_head = model.get_output_embeddings().weight
     config = MedusaConfig(args.heads, args.layers, int(lm_head.shape[1]), int(lm_head.shape[0]))
-    heads = MedusaHeads(config)
-    heads.init_from_lm_head(lm_head)
+    if args.init:  # continue from saved heads
+        heads = MedusaHeads.load(args.init).train()
+        if heads.config != config:
+            raise SystemExit(f"--init: heads {heads.config} do not fit {config}")
+    else:
+        heads = MedusaHeads(config)
+        heads.init_from_lm_head(lm_head)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=0.0)
     rng = np.random.default_rng(args.seed)
     started = time.perf_counter()
@@ -136,6 +141,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "seq_len": args.seq_len,
         "lr": args.lr,
         "seed": args.seed,
+        "init": Path(args.init).name if args.init else None,
         "train_seconds": round(time.perf_counter() - started, 1),
         # Per head, mean training loss over the first and the last tenth of the steps.
         "loss_first": np.mean(history[: max(1, len(history) // 10)], axis=0).tolist(),
@@ -162,6 +168,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-files", type=int, default=400, help="stdlib training files used, evenly spread")
     parser.add_argument("--eval-windows", type=int, default=64)
+    parser.add_argument("--init", help="continue training these heads (a --out of an earlier run)")
 
 
 def main(args: argparse.Namespace) -> int:
