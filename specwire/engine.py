@@ -282,15 +282,17 @@ class EngineSession:
                 "tree_parents", f"has {len(request.tree_parents)} entries for {len(request.append_ids)} append_ids"
             )
         try:
-            tree_depths(request.tree_parents)
+            depth = max(tree_depths(request.tree_parents))
         except ValueError as error:
             raise InvalidArgument("tree_parents", str(error)) from None
+        # Nodes sit at committed + depth: the deepest path, not the node count, must fit the context.
+        self._check_length(self.length + depth + 1, "tree_parents")
         if request.scoring.kind != ScoreKind.NONE and request.scoring.positions != len(request.append_ids):
             raise InvalidArgument(
                 "scoring.positions", f"must equal the tree's {len(request.append_ids)} nodes, got {request.scoring.positions}"
             )
         start = self.length
-        self._append(request.append_ids)
+        self._append(request.append_ids, check_length=False)
         self.tree_start, self.tree_parents = start, list(request.tree_parents)
         return self._finish(request.scoring, 0, False, 0, 0.0, tree=self.tree_parents)
 
@@ -342,12 +344,13 @@ class EngineSession:
         if self.cache is not None and self.cached > 0:
             self.cache.reorder_cache(cast(torch.LongTensor, index.to(self.lm.device)))
 
-    def _append(self, ids: list[int]) -> None:
+    def _append(self, ids: list[int], check_length: bool = True) -> None:
         if len(ids) % self.num_branches:
             raise InvalidArgument("append_ids", f"{len(ids)} ids do not split evenly over {self.num_branches} branches")
         check_token_ids(ids, self.lm.vocab_size, "append_ids")
         per_branch = len(ids) // self.num_branches
-        self._check_length(self.length + per_branch, "append_ids")
+        if check_length:
+            self._check_length(self.length + per_branch, "append_ids")
         new = torch.tensor(ids, dtype=torch.long).view(self.num_branches, per_branch)
         self.tokens = torch.cat([self.tokens, new], dim=1)
 

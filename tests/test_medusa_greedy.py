@@ -85,3 +85,11 @@ def test_round_statistics_add_up(llama_medusa_stack: Stack) -> None:
         sum(stats.accepted_length_histogram[1:]) / (stats.rounds - 1)
     )
     assert stats.new_tokens == 1 + stats.accepted_tokens + stats.corrections + stats.bonus_tokens
+
+
+def test_trees_shrink_at_the_end_of_the_context(llama_medusa_stack: Stack) -> None:
+    client = Client(llama_medusa_stack.address)
+    prompt_ids = [(7 * i) % 300 + 2 for i in range(500)]  # 500 + 12 = the model's 512 positions
+    expected = client.generate(prompt_ids=prompt_ids, strategy="greedy", max_new_tokens=12, ignore_eos=True)
+    result = client.generate(prompt_ids=prompt_ids, strategy="medusa", max_new_tokens=12, ignore_eos=True)
+    assert result.token_ids == expected.token_ids and len(result.token_ids) == 12
