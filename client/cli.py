@@ -296,6 +296,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
                  {"strategy": "speculative", "num_speculative_tokens": 4}),
                 ("contrastive (O'Brien & Lewis, α=0.1, β=0.5)", {"strategy": "contrastive"}),
             ]
+            if "medusa" in client.info().target_capabilities:
+                runs.append(("medusa (the target's own heads): same text as greedy, one message per round",
+                             {"strategy": "medusa"}))
             for label, kwargs in runs:
                 result = client.generate(prompt=args.prompt, max_new_tokens=args.max_new_tokens, **kwargs)
                 s = result.stats
