@@ -33,9 +33,8 @@ from specwire.session import OpenRequest, ScoreKind, Scores, Scoring, StepReques
 # The 24 paths of top-k indices with the highest measured match rates for the demo target and its
 # shipped heads, on greedy continuations of held-out stdlib files (`tune_medusa_tree`, README).
 DEFAULT_CHOICES: list[list[int]] = [
-    [1], [0], [1, 0], [1, 0, 1], [2], [3], [0, 0], [0, 1], [4], [0, 2], [5], [3, 0],
-    [1, 1], [0, 0, 0], [0, 3], [0, 1, 0], [0, 4], [4, 0], [2, 0], [1, 3], [2, 1], [0, 5],
-    [0, 0, 1], [1, 0, 0],
+    [0], [1], [0, 0], [1, 0], [0, 1], [0, 1, 1], [0, 0, 0], [1, 0, 0], [2], [3], [1, 1], [1, 1, 0],
+    [0, 0, 1], [0, 2], [0, 5], [4], [2, 0], [0, 0, 2], [5], [1, 3], [0, 1, 0], [0, 4], [2, 5], [0, 2, 0],
 ]  # fmt: skip
 
 
