@@ -13,7 +13,7 @@ from specwire.errors import InvalidArgument
 from specwire.medusa import build_tree, tree_path
 from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
 from tests.conftest import hf_model
-from tests.medusa_fixtures import medusa_engine
+from tests.medusa_tiny import medusa_engine
 
 pytest_plugins = ["tests.medusa_fixtures"]
 

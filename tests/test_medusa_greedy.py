@@ -12,7 +12,7 @@ from specwire.v1 import model_pb2, model_pb2_grpc
 
 from specwire.demo import demo_draft_dir, demo_medusa_dir, demo_target_dir
 from tests.harness import LoopThread, Stack
-from tests.medusa_fixtures import medusa_stack
+from tests.medusa_tiny import medusa_stack
 
 pytest_plugins = ["tests.medusa_fixtures"]
 
