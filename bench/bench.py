@@ -120,6 +120,7 @@ class BenchConfig:
     port: int = 0  # base port of the stacks (orchestrator; services on +1, +2; proxies +3, +4); 0 = free ones
     show_progress: bool = True
     medusa: str | None = None  # the target's Medusa heads (the medusa rows)
+    medusa_choices: str | None = None  # the medusa rows' tree (JSON); None = the strategy's default
 
 
 @dataclass
@@ -567,6 +568,8 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
                 params: dict[str, Any] = {k: v for k, v in MEDUSA_ROWS[row].items() if k != "strategy"}
                 if "temperature" in params:
                     params["seed"] = len(ids)  # sampled rows: the same draws in every repeat
+                if config.medusa_choices:
+                    params["medusa_choices"] = config.medusa_choices
                 return specwire_sample(clients[stack], "medusa", ids, max_new_tokens, config.gamma, **params)
             strategy = "greedy" if row == "specwire_greedy" else "speculative"
             return specwire_sample(clients[stack], strategy, ids, max_new_tokens, config.gamma)
@@ -734,6 +737,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=0, help="base port of the stacks (0 = free ports)")
     parser.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up generation per row")
     parser.add_argument("--medusa", help="the target's Medusa heads (default: the demo target's, with the demo target)")
+    parser.add_argument("--medusa-choices", help="the medusa rows' tree: a JSON file of top-k paths (default: built in)")
     return parser
 
 
@@ -756,6 +760,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         warmup=not args.no_warmup,
         port=args.port,
         medusa=args.medusa or _default_medusa(target),
+        medusa_choices=Path(args.medusa_choices).read_text() if args.medusa_choices else None,
     )
 
 
