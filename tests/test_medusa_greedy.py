@@ -3,7 +3,9 @@ heads; processors included), and a round is one message with one forward."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -13,6 +15,7 @@ from specwire.v1 import model_pb2, model_pb2_grpc
 from specwire.demo import demo_draft_dir, demo_medusa_dir, demo_target_dir
 from tests.harness import LoopThread, Stack
 from tests.medusa_tiny import medusa_stack
+from tests.test_cli import specwire
 
 pytest_plugins = ["tests.medusa_fixtures"]
 
@@ -93,3 +96,16 @@ def test_trees_shrink_at_the_end_of_the_context(llama_medusa_stack: Stack) -> No
     expected = client.generate(prompt_ids=prompt_ids, strategy="greedy", max_new_tokens=12, ignore_eos=True)
     result = client.generate(prompt_ids=prompt_ids, strategy="medusa", max_new_tokens=12, ignore_eos=True)
     assert result.token_ids == expected.token_ids and len(result.token_ids) == 12
+
+
+def test_cli_takes_a_tree_file_and_the_acceptance_flags(llama_medusa_stack: Stack, tmp_path: Path) -> None:
+    tree = tmp_path / "tree.json"
+    tree.write_text("[[0], [1], [0, 0]]")
+    base = ["generate", "--address", llama_medusa_stack.address, "--prompt-ids", "5,6,7", "--max-new-tokens", "6",
+            "--ignore-eos", "--json", "--strategy", "medusa", "--medusa-choices", str(tree)]
+    greedy = specwire(*base)
+    assert greedy.returncode == 0, greedy.stderr
+    assert 1 < json.loads(greedy.stdout)["stats"]["medusa_tree_size"] <= 4  # trees shrink near the end
+    typical = specwire(*base, "--temperature", "0.7", "--medusa-acceptance", "typical", "--posterior-alpha", "0.2")
+    assert typical.returncode == 0, typical.stderr
+    assert len(json.loads(typical.stdout)["token_ids"]) == 6
