@@ -14,7 +14,13 @@ in a freshly shuffled order, so drifting machine load spreads over all of them):
       `hf_prompt_lookup`           `prompt_lookup_num_tokens` = γ (n-gram matching, size ≤ 2);
   (c) `specwire_greedy`            target-only greedy through the orchestrator over gRPC;
   (d) `specwire_speculative`       speculative with the draft model over gRPC, γ;
-      `specwire_speculative_ngram` speculative with the n-gram drafter (a second stack).
+      `specwire_speculative_ngram` speculative with the n-gram drafter (a second stack);
+  (e) `specwire_medusa`            Medusa with the target's heads (`--medusa`, default: the demo
+                                   target's), the default tree, greedy, over gRPC;
+      `specwire_medusa_lossless`   the same, sampled at T = 0.7 with lossless tree acceptance;
+      `specwire_medusa_typical`    the same, sampled at T = 0.7 with typical acceptance (LOSSY).
+      The sampled rows do not decode greedily: their `matches_hf_target` is not a check, and
+      their speed-up is over the greedy row (c), which costs what target-only sampling costs.
 
 Every row decodes greedily and ignores end-of-sequence (transformers: `eos_token_id=None`;
 specwire: `ignore_eos`), so every row generates exactly `max_new_tokens` tokens per prompt, and
@@ -94,7 +100,15 @@ ROWS = [
     RowSpec("specwire_greedy", "specwire", "specwire greedy, target only, gRPC"),
     RowSpec("specwire_speculative", "specwire", "specwire speculative, draft model, γ, gRPC"),
     RowSpec("specwire_speculative_ngram", "specwire", "specwire speculative, n-gram drafter, γ, gRPC"),
+    RowSpec("specwire_medusa", "specwire", "specwire Medusa, target's heads, greedy, gRPC"),
+    RowSpec("specwire_medusa_lossless", "specwire", "specwire Medusa, T=0.7, lossless tree acceptance, gRPC"),
+    RowSpec("specwire_medusa_typical", "specwire", "specwire Medusa, T=0.7, typical acceptance (lossy), gRPC"),
 ]
+MEDUSA_ROWS: dict[str, dict[str, Any]] = {
+    "specwire_medusa": {"strategy": "medusa"},
+    "specwire_medusa_lossless": {"strategy": "medusa", "temperature": 0.7, "medusa_acceptance": "lossless"},
+    "specwire_medusa_typical": {"strategy": "medusa", "temperature": 0.7, "medusa_acceptance": "typical"},
+}
 ROW_NAMES = [row.name for row in ROWS]
 
 
@@ -114,6 +128,8 @@ class BenchConfig:
     port: int = 0  # base port of the stacks (orchestrator; services on +1, +2; proxies +3, +4); 0 = free ones
     show_progress: bool = True
     concurrency: tuple[int, ...] = ()  # stream counts of the concurrency measurement; () = none
+    medusa: str | None = None  # the target's Medusa heads (the medusa rows)
+    medusa_choices: str | None = None  # the medusa rows' tree (JSON); None = the strategy's default
 
 
 @dataclass
@@ -315,9 +331,11 @@ class HfRunner:
 # -- specwire over gRPC -------------------------------------------------------------------------
 
 
-def specwire_sample(client: Any, strategy: str, prompt_ids: list[int], max_new_tokens: int, gamma: int) -> Sample:
+def specwire_sample(
+    client: Any, strategy: str, prompt_ids: list[int], max_new_tokens: int, gamma: int, **extra: Any
+) -> Sample:
     """One `Generate` through an orchestrator; `client` is a `client.sdk.Client`."""
-    params: dict[str, Any] = {"strategy": strategy, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+    params: dict[str, Any] = {"strategy": strategy, "max_new_tokens": max_new_tokens, "ignore_eos": True} | extra
     if strategy == "speculative":
         params["num_speculative_tokens"] = gamma
     started = time.perf_counter()
@@ -462,6 +480,12 @@ def _speculation_figures(
     drafted = sum(s.drafted for s in samples)
     if not samples or result.spec.name in ("hf_target", "specwire_greedy") or drafted == 0:
         return figures | empty
+    if result.spec.name in MEDUSA_ROWS:  # a tree, not a chain: the chain model's α, γ, c do not apply
+        accepted = sum(s.accepted for s in samples)
+        return figures | empty | {
+            "acceptance_rate": accepted / drafted,
+            "measured_speedup": _paired_ratio(result, specwire_greedy),
+        }
     rounds = sum(s.rounds for s in samples)
     accepted = sum(s.accepted for s in samples)
     alpha = alpha_estimate(accepted, sum(s.rejected for s in samples))
@@ -534,9 +558,11 @@ def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple
     """The model-drafter stack and the n-gram stack, started in parallel; errors by stack name."""
     stack_configs: dict[str, StackConfig] = {}
     common = StackConfig(target_model=config.target_model, device=config.device, dtype=config.dtype)
-    if needed & {"specwire_greedy", "specwire_speculative"}:
+    if needed & {"specwire_greedy", "specwire_speculative", *MEDUSA_ROWS}:
         port = config.port or free_base_port()
-        stack_configs["model"] = replace(common, port=port, draft_model=config.draft_model, drafter="model")
+        stack_configs["model"] = replace(
+            common, port=port, draft_model=config.draft_model, drafter="model", medusa=config.medusa
+        )
     if "specwire_speculative_ngram" in needed:
         port = config.port + 10 if config.port else free_base_port()
         # The n-gram drafter has no weights: --model names the tokenizer it drafts in.
@@ -592,6 +618,13 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             stack = "ngram" if row == "specwire_speculative_ngram" else "model"
             if stack in stack_errors:
                 raise RuntimeError(f"the {stack} stack did not start: {stack_errors[stack]}")
+            if row in MEDUSA_ROWS:
+                params: dict[str, Any] = {k: v for k, v in MEDUSA_ROWS[row].items() if k != "strategy"}
+                if "temperature" in params:
+                    params["seed"] = len(ids)  # sampled rows: the same draws in every repeat
+                if config.medusa_choices:
+                    params["medusa_choices"] = config.medusa_choices
+                return specwire_sample(clients[stack], "medusa", ids, max_new_tokens, config.gamma, **params)
             strategy = "greedy" if row == "specwire_greedy" else "speculative"
             return specwire_sample(clients[stack], strategy, ids, max_new_tokens, config.gamma)
 
@@ -790,6 +823,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--concurrency", help="comma-separated stream counts (e.g. 1,2,4,8): concurrent generations per strategy"
     )
+    parser.add_argument("--medusa", help="the target's Medusa heads (default: the demo target's, with the demo target)")
+    parser.add_argument("--medusa-choices", help="the medusa rows' tree: a JSON file of top-k paths (default: built in)")
     return parser
 
 
@@ -818,7 +853,18 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         warmup=not args.no_warmup,
         port=args.port,
         concurrency=concurrency,
+        medusa=args.medusa or _default_medusa(target),
+        medusa_choices=Path(args.medusa_choices).read_text() if args.medusa_choices else None,
     )
+
+
+def _default_medusa(target: str) -> str | None:
+    """The demo target's shipped heads, when the target is the demo target and they exist."""
+    from specwire.demo import demo_medusa_dir, demo_target_dir
+
+    heads = demo_medusa_dir()
+    same = Path(target).resolve() == demo_target_dir().resolve()
+    return str(heads) if same and heads.is_dir() else None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from specwire.client.sdk import Client, GenerateResult, GenerationError, enum_na
 
 from specwire import __version__
 from specwire.extras import require
+from specwire.target_service import train_medusa
 
 # Generation flags: (flag, type, help). The SDK keyword is the flag with underscores.
 GENERATION_FLAGS: list[tuple[str, Any, str]] = [
@@ -35,6 +36,8 @@ GENERATION_FLAGS: list[tuple[str, Any, str]] = [
     ("--cd-alpha", float, "contrastive plausibility cut-off α"),
     ("--cd-beta", float, "O'Brien & Lewis contrast weight β"),
     ("--amateur-temperature", float, "Li et al. amateur temperature τ"),
+    ("--posterior-threshold", float, "typical acceptance ε (default 0.09)"),
+    ("--posterior-alpha", float, "typical acceptance δ (default 0.3)"),
     ("--seed", int, "seed every random choice of the request"),
 ]
 
@@ -57,6 +60,8 @@ def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: i
         "--compile", default="auto", choices=["auto", "on", "off"],
         help="torch.compile the batched forward (CUDA graphs on CUDA); auto = where measured to pay",
     )
+    if role == "target":
+        parser.add_argument("--medusa", help="Medusa heads directory (default: the demo target's own heads)")
     if role == "draft":
         parser.add_argument("--drafter", default="model", choices=["model", "ngram"])
         parser.add_argument("--ngram-max", type=int, default=3, help="n-gram drafter: longest n-gram to match")
@@ -137,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     summarize.add_argument("--json", action="store_true", help="print the summary as JSON")
     bench.add_parser(commands)
     experiment.add_parser(commands)
+    train_medusa.add_parser(commands)
     return parser
 
 
@@ -144,6 +150,7 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-model", help="target model directory or hub id (default: demo target)")
     parser.add_argument("--draft-model", help="draft model directory or hub id (default: demo draft)")
     parser.add_argument("--drafter", default="model", choices=["model", "ngram"])
+    parser.add_argument("--medusa", help="Medusa heads directory for the target (default: the demo target's)")
     parser.add_argument("--port", type=int, default=50051, help="orchestrator port; draft on +1, target on +2")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
@@ -156,22 +163,30 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="greedy", choices=enum_names("strategy"))
+    parser.add_argument("--medusa-choices", help="medusa candidate tree: a JSON file (or inline JSON) of top-k paths")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     parser.add_argument("--stop-strings", action="append", metavar="STRING", help="stop string (repeatable)")
     parser.add_argument("--early-stopping", choices=enum_names("early_stopping"), default=None)
     parser.add_argument("--cd-form", choices=enum_names("cd_form"), default=None)
+    parser.add_argument(
+        "--medusa-acceptance", choices=enum_names("medusa_acceptance"), default=None,
+        help="medusa sampling: lossless (default) | typical (LOSSY)",
+    )
     for flag, kind, text in GENERATION_FLAGS:
         parser.add_argument(flag, type=kind, default=None, help=text)
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """SDK keywords from parsed flags (unset flags left out)."""
-    names = ["strategy", "max_new_tokens", "stop_strings", "early_stopping", "cd_form"]
+    names = ["strategy", "max_new_tokens", "stop_strings", "early_stopping", "cd_form", "medusa_acceptance"]
     names += [flag[2:].replace("-", "_") for flag, _, _ in GENERATION_FLAGS]
     kwargs = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.ignore_eos:
         kwargs["ignore_eos"] = True
+    if args.medusa_choices:
+        text = args.medusa_choices
+        kwargs["medusa_choices"] = text if text.lstrip().startswith("[") else Path(text).read_text()
     return kwargs
 
 
@@ -237,6 +252,7 @@ def _stack_config(args: argparse.Namespace) -> Any:
         device=args.device,
         dtype=args.dtype,
         extra_target_args=_stack_telemetry_args(args, "target", 2),
+        medusa=args.medusa,
         extra_draft_args=_stack_telemetry_args(args, "draft", 1),
         extra_orchestrator_args=_stack_telemetry_args(args, "orchestrator", 0),
         rtt_ms=args.rtt_ms,
@@ -295,6 +311,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
                  {"strategy": "speculative", "num_speculative_tokens": 4}),
                 ("contrastive (O'Brien & Lewis, α=0.1, β=0.5)", {"strategy": "contrastive"}),
             ]
+            if "medusa" in client.info().target_capabilities:
+                runs.append(("medusa (the target's own heads): same text as greedy, one message per round",
+                             {"strategy": "medusa"}))
             for label, kwargs in runs:
                 result = client.generate(prompt=args.prompt, max_new_tokens=args.max_new_tokens, **kwargs)
                 s = result.stats
@@ -339,6 +358,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine=args.engine,
         compile=args.compile,
         drafter=getattr(args, "drafter", "model"),
+        medusa=getattr(args, "medusa", None),
         ngram_max=getattr(args, "ngram_max", 3),
         ngram_min=getattr(args, "ngram_min", 1),
         telemetry=_telemetry_config(args),
@@ -375,7 +395,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run}
+COMMANDS = {"generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "train-medusa": train_medusa.main}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -36,6 +36,7 @@ class StackConfig:
     extra_target_args: tuple[str, ...] = ()
     extra_draft_args: tuple[str, ...] = ()
     extra_orchestrator_args: tuple[str, ...] = ()
+    medusa: str | None = None  # the target's Medusa heads directory (`--medusa`)
     # Emulated link between the orchestrator and each model service (`specwire.delay_proxy`):
     # any of these > 0 puts a proxy child in front of each service, one-way delay = rtt / 2.
     rtt_ms: float = 0.0
@@ -126,6 +127,8 @@ class Stack:
         target_args = [*model_args, "--port", str(c.target_port), *c.extra_target_args]
         if c.target_model:
             target_args += ["--model", c.target_model]
+        if c.medusa:
+            target_args += ["--medusa", c.medusa]
         draft_args = [*model_args, "--port", str(c.draft_port), "--drafter", c.drafter, *c.extra_draft_args]
         # The n-gram drafter needs only a tokenizer: the target's, unless told otherwise.
         draft_source = c.draft_model or (c.target_model if c.drafter == "ngram" else None)

@@ -14,6 +14,7 @@ caller's trace. Without a provider this costs a no-op span per call.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
@@ -109,6 +110,7 @@ _ENUM_PREFIXES = {
     "strategy": (orchestrator_pb2.Strategy, "STRATEGY_"),
     "early_stopping": (orchestrator_pb2.EarlyStopping, "EARLY_STOPPING_"),
     "cd_form": (orchestrator_pb2.ContrastiveForm, "CONTRASTIVE_FORM_"),
+    "medusa_acceptance": (orchestrator_pb2.MedusaAcceptance, "MEDUSA_ACCEPTANCE_"),
 }
 
 _SCALAR_PARAMS = {f.name for f in orchestrator_pb2.GenerateRequest.DESCRIPTOR.fields} - {
@@ -143,6 +145,7 @@ def build_request(
     stop_strings: str | Sequence[str] | None = None,
     early_stopping: bool | str | None = None,
     cd_form: str | None = None,
+    medusa_acceptance: str | None = None,
     **params: Any,
 ) -> orchestrator_pb2.GenerateRequest:
     """A `GenerateRequest` from keyword parameters named as in transformers' `generate`.
@@ -165,7 +168,11 @@ def build_request(
         request.early_stopping = _enum_number("early_stopping", early_stopping)  # type: ignore[assignment]
     if cd_form is not None:
         request.cd_form = _enum_number("cd_form", cd_form)  # type: ignore[assignment]
+    if medusa_acceptance is not None:
+        request.medusa_acceptance = _enum_number("medusa_acceptance", medusa_acceptance)  # type: ignore[assignment]
     for name, value in params.items():
+        if name == "medusa_choices" and not isinstance(value, str) and value is not None:
+            value = json.dumps([list(path) for path in value])  # paths of top-k indices
         if value is not None:
             setattr(request, name, value)
     return request

@@ -22,6 +22,7 @@ from specwire.orchestrator.beam import beam_search
 from specwire.orchestrator.context import BeamSequence, DecodeContext
 from specwire.orchestrator.contrastive import contrastive
 from specwire.orchestrator.health import DRAFT_STRATEGIES, ServiceStates
+from specwire.orchestrator.medusa import medusa
 from specwire.orchestrator.models import ModelHandle
 from specwire.orchestrator.output import Output
 from specwire.orchestrator.params import GenerationParams, Limits
@@ -45,6 +46,7 @@ STRATEGIES: dict[str, Strategy] = {
     "beam": beam_search,
     "contrastive": contrastive,
     "speculative": speculative,
+    "medusa": medusa,
 }
 
 

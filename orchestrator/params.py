@@ -6,6 +6,7 @@ any session is opened.
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from dataclasses import dataclass, field
@@ -13,13 +14,17 @@ from dataclasses import dataclass, field
 from specwire.v1 import orchestrator_pb2
 
 from specwire.errors import InvalidArgument, check_token_ids
+from specwire.medusa import build_tree
 from specwire.processing import ProcessingConfig
 
-STRATEGIES = ("greedy", "sample", "beam", "speculative", "contrastive")
+STRATEGIES = ("greedy", "sample", "beam", "speculative", "contrastive", "medusa")
 # Enum values by lowercase name (the SDK's and CLI's spelling); UNSPECIFIED (0) means the first.
 STRATEGY_VALUES = {name: orchestrator_pb2.Strategy.Value(f"STRATEGY_{name.upper()}") for name in STRATEGIES}
 EARLY_STOPPING_VALUES = {
     name: orchestrator_pb2.EarlyStopping.Value(f"EARLY_STOPPING_{name.upper()}") for name in ("false", "true", "never")
+}
+MEDUSA_ACCEPTANCE_VALUES = {
+    name: orchestrator_pb2.MedusaAcceptance.Value(f"MEDUSA_ACCEPTANCE_{name.upper()}") for name in ("lossless", "typical")
 }
 CD_FORM_VALUES = {name: orchestrator_pb2.ContrastiveForm.Value(f"CONTRASTIVE_FORM_{name.upper()}") for name in ("obrien", "li")}
 MAX_BEAMS = 32
@@ -63,6 +68,11 @@ class GenerationParams:
     cd_alpha: float = 0.1
     cd_beta: float = 0.5
     amateur_temperature: float = 1.0
+    # Medusa: the tree's paths ([] = the strategy's default) and the sampled acceptance rule.
+    medusa_choices: list[list[int]] = field(default_factory=list)
+    medusa_acceptance: str = "lossless"  # or "typical": LOSSY
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
     # Tokens are drawn at random (else argmax): strategy "sample", or speculative / contrastive
     # with a sampling warper set; temperature 0 always means argmax.
     do_sample: bool = False
@@ -194,6 +204,15 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     if amateur_t < _as_float32(MIN_AMATEUR_TEMPERATURE):  # the field is a float: 0.01 arrives rounded
         raise InvalidArgument("amateur_temperature", f"must be ≥ {MIN_AMATEUR_TEMPERATURE}, got {amateur_t}")
 
+    medusa_choices = parse_medusa_choices(request.medusa_choices) if request.medusa_choices else []
+    acceptance = enum_name(request, "medusa_acceptance", MEDUSA_ACCEPTANCE_VALUES)
+    posterior_threshold = _finite(_opt(request, "posterior_threshold", 0.09), "posterior_threshold")
+    if not 0 < posterior_threshold <= 1:
+        raise InvalidArgument("posterior_threshold", f"must be in (0, 1], got {posterior_threshold}")
+    posterior_alpha = _finite(_opt(request, "posterior_alpha", 0.3), "posterior_alpha")
+    if not 0 < posterior_alpha <= 1:
+        raise InvalidArgument("posterior_alpha", f"must be in (0, 1], got {posterior_alpha}")
+
     stop = stop_strings_of(request)
     if len(stop) > MAX_STOP_STRINGS or any(not 1 <= len(s) <= MAX_STOP_CHARS for s in stop):
         raise InvalidArgument(
@@ -203,7 +222,7 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
         raise InvalidArgument(STOP_FIELD, "stop strings are not supported with beam search (num_beams > 1)")
 
     warpers_set = [name for name in SAMPLING_FIELDS if request.HasField(name)]
-    sampling_asked = strategy == "sample" or (strategy in ("speculative", "contrastive") and bool(warpers_set))
+    sampling_asked = strategy == "sample" or (strategy in ("speculative", "contrastive", "medusa") and bool(warpers_set))
     if strategy == "beam" and warpers_set:
         raise InvalidArgument(warpers_set[0], "beam search here is deterministic; sampling warpers do not apply")
     if strategy == "contrastive" and num_beams > 1 and sampling_asked and temperature > 0:
@@ -233,5 +252,28 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
         cd_alpha=cd_alpha,
         cd_beta=cd_beta,
         amateur_temperature=amateur_t,
+        medusa_choices=medusa_choices,
+        medusa_acceptance=acceptance,
+        posterior_threshold=posterior_threshold,
+        posterior_alpha=posterior_alpha,
         do_sample=sampling_asked and temperature > 0,
     )
+
+
+MAX_MEDUSA_NODES = 256
+
+
+def parse_medusa_choices(text: str) -> list[list[int]]:
+    """`medusa_choices`: a JSON list of paths of top-k indices whose prefixes are paths too."""
+    try:
+        choices = json.loads(text)
+        if not isinstance(choices, list) or not all(
+            isinstance(c, list) and c and all(isinstance(i, int) and 0 <= i < 1024 for i in c) for c in choices
+        ):
+            raise ValueError("expected a list of non-empty lists of top-k indices in [0, 1024)")
+        build_tree(choices)
+    except ValueError as error:
+        raise InvalidArgument("medusa_choices", f"must be a JSON list of paths of top-k indices: {error}") from None
+    if not 1 <= len(choices) < MAX_MEDUSA_NODES:
+        raise InvalidArgument("medusa_choices", f"must name between 1 and {MAX_MEDUSA_NODES - 1} paths")
+    return [list(c) for c in choices]

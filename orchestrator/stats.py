@@ -23,6 +23,10 @@ class RunStats:
     corrections: int = 0
     bonus_tokens: int = 0
     accepted_length_histogram: list[int] = field(default_factory=list)
+    # Medusa: tree rounds, nodes verified, and rounds in which head k's node was accepted.
+    tree_rounds: int = 0
+    tree_nodes: int = 0
+    head_accepted: list[int] = field(default_factory=list)
     # Contrastive decoding.
     valid_set_sizes: int = 0
     differs_from_expert: int = 0
@@ -83,4 +87,6 @@ class RunStats:
             amateur_ms_per_step=draft.client_ms / steps if self.contrastive_steps else 0.0,
             mean_valid_set_size=self.valid_set_sizes / steps if self.contrastive_steps else 0.0,
             differs_from_expert_rate=self.differs_from_expert / steps if self.contrastive_steps else 0.0,
+            medusa_tree_size=self.tree_nodes / self.tree_rounds if self.tree_rounds else 0.0,
+            medusa_head_acceptance=[count / self.tree_rounds for count in self.head_accepted],
         )

@@ -149,7 +149,11 @@ class Scheduler:
         for begin in range(0, n, PREFILL_CHUNK):
             end = min(n, begin + PREFILL_CHUNK)
             keep = max(0, job.keep - (n - end))
-            part = self.run(ForwardJob(job.rows, job.tokens[:, begin:end], job.start + begin, max(keep, 1)))
+            part = self.run(
+                ForwardJob(job.rows, job.tokens[:, begin:end], job.start + begin, max(keep, 1), want_hidden=job.want_hidden)
+            )
+            if part.hidden is not None:  # [rows, chunk, hidden]
+                job.hidden = part.hidden if job.hidden is None else torch.cat([job.hidden, part.hidden], 1)
             if keep > 0:
                 assert part.logits is not None
                 job.logits = part.logits[:, -keep:] if job.logits is None else torch.cat([job.logits, part.logits[:, -keep:]], 1)

@@ -35,6 +35,7 @@ class ModelServiceConfig:
     drafter: str = "model"  # draft only: "model" or "ngram"
     ngram_max: int = 3  # n-gram drafter: longest n-gram matched
     ngram_min: int = 1
+    medusa: str | None = None  # target only: Medusa heads directory (`--medusa`)
     grace_s: float = 10.0
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 

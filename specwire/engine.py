@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from specwire.batching import ForwardJob, Scheduler
 from specwire.errors import InvalidArgument, StatusError, check_token_ids
 from specwire.lean_forward import LeanModel, lean_model
+from specwire.medusa import MedusaHeads, tree_attention, tree_depths, tree_path
 from specwire.processing import (
     ProcessingConfig,
     apply_penalties,
@@ -42,7 +43,7 @@ from specwire.session import (
     StepRequest,
     StepResult,
 )
-from specwire.slot_cache import SlotCache
+from specwire.slot_cache import SLACK, SlotCache
 
 log = logging.getLogger("specwire")
 
@@ -116,6 +117,19 @@ class CausalLM:
     eos_token_ids: list[int]
     max_context: int
     accepts_logits_to_keep: bool
+    medusa: MedusaHeads | None = None  # heads on the final hidden state (`--medusa DIR`)
+
+    def attach_medusa(self, directory: str) -> None:
+        """Load Medusa heads saved beside this model; they run on the hidden states of its forward."""
+        heads = MedusaHeads.load(directory)
+        hidden = int(self.model.get_output_embeddings().weight.shape[1])
+        if (heads.config.hidden_size, heads.config.vocab_size) != (hidden, self.vocab_size):
+            raise ValueError(
+                f"--medusa: heads for hidden {heads.config.hidden_size} / vocab {heads.config.vocab_size}, "
+                f"model has {hidden} / {self.vocab_size}"
+            )
+        dtype = next(self.model.parameters()).dtype
+        self.medusa = heads.to(device=self.device, dtype=dtype)
 
     @classmethod
     def load(cls, source: str, device: str = "auto", dtype: str = "auto", name: str | None = None) -> CausalLM:
@@ -223,12 +237,15 @@ class Engine:
             tokenizer_fingerprint=self._fingerprint,
             eos_token_ids=self.lm.eos_token_ids,
             max_context=self.max_tokens,
-            capabilities=["session", "propose", "branches"] + (["batching"] if self.batches else []),
+            capabilities=["session", "propose", "branches", "tree"]
+            + (["batching"] if self.batches else [])
+            + (["medusa"] if self.lm.medusa is not None else []),
             role=self.role,
             tokenizer_source=self.lm.tokenizer_source,
             device=str(self.lm.device),
             dtype=str(next(self.lm.model.parameters()).dtype).removeprefix("torch."),
             cache=usage,
+            medusa_heads=self.lm.medusa.num_heads if self.lm.medusa is not None else 0,
         )
 
     @property
@@ -242,9 +259,11 @@ class Engine:
         kv: SessionKV
         if self.cache is not None and self.scheduler is not None:
             kv = SlotKV(self.cache, self.scheduler, self.limits.queue_timeout_s)
+            slots = self.cache.shape.max_len + SLACK  # a tree's nodes occupy a slot each
         else:
             kv = DynamicKV(self.lm)
-        return EngineSession(self.lm, kv, self.max_tokens)
+            slots = 1 << 30  # a DynamicCache grows
+        return EngineSession(self.lm, kv, self.max_tokens, slots)
 
     def warmup(self) -> None:
         """One short generation, so the first request doesn't pay for lazy initialisation."""
@@ -290,6 +309,12 @@ class SessionKV(Protocol):
 
     def forward(self, tokens: torch.Tensor, start: int, positions: int, more: bool = False) -> torch.Tensor: ...
 
+    def forward_tree(
+        self, tokens: torch.Tensor, start: int, positions: int, parents: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def keep_path(self, start: int, kept: list[int]) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -333,6 +358,43 @@ class DynamicKV:
         )
         self.cached = int(tokens.shape[1])
         return out.logits[:, -positions:, :].float()
+
+    @torch.inference_mode()
+    def forward_tree(
+        self, tokens: torch.Tensor, start: int, positions: int, parents: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One branch: the new tokens tokens[:, start:] with parents[i] the parent of new token i
+        (-1 = the cached prefix); each attends to the cache and its ancestors at position
+        start + depth (Medusa's tree attention). Returns [1, positions, vocab] float32 logits
+        and [positions, hidden] final hidden states of the last `positions` new tokens."""
+        if self.cache is None:
+            self.cache = DynamicCache()
+        allowed = torch.cat([torch.ones(len(parents), start, dtype=torch.bool), tree_attention(parents)], dim=1)
+        device, dtype = self.lm.device, next(self.lm.model.parameters()).dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        position_ids = start + torch.tensor(tree_depths(parents), dtype=torch.long)  # [new]
+        out = self.lm.model.base_model(
+            input_ids=tokens[:, start:].to(device),
+            attention_mask=mask[None, None].to(device),  # [1, 1, new, start + new]
+            position_ids=position_ids[None].to(device),
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.cached = int(tokens.shape[1])
+        hidden = out.last_hidden_state[0, -positions:]  # [positions, hidden]
+        return self.lm.model.get_output_embeddings()(hidden).float()[None], hidden
+
+    @torch.inference_mode()
+    def keep_path(self, start: int, kept: list[int]) -> None:
+        """Keep positions start+kept[i] (ascending offsets) at start+i and cut the cache there."""
+        if self.cache is None or self.cached <= start:
+            return
+        source = torch.tensor(kept, dtype=torch.long, device=self.lm.device) + start  # [m]
+        for layer in self.cache.layers:
+            keys, values = cast(Any, layer).keys, cast(Any, layer).values  # [1, heads, cached, dim]
+            keys[:, :, start : start + len(kept)] = keys.index_select(2, source)
+            values[:, :, start : start + len(kept)] = values.index_select(2, source)
+        self.crop(start + len(kept))
 
     def close(self) -> None:
         self.cache, self.cached = None, 0
@@ -417,6 +479,18 @@ class SlotKV:
         assert job.logits is not None
         return job.logits
 
+    def forward_tree(
+        self, tokens: torch.Tensor, start: int, positions: int, parents: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `DynamicKV.forward_tree`, batched with the other sessions' forwards (one row)."""
+        job = ForwardJob(list(self.rows), tokens[:, start:], start, positions, want_hidden=True)
+        if parents != list(range(-1, len(parents) - 1)):  # a chain needs neither (and may be chunked)
+            job.positions = (start + torch.tensor(tree_depths(parents), dtype=torch.long))[None]  # [1, new]
+            job.tree_mask = tree_attention(parents)  # [new, new]
+        self.run(job)
+        assert job.logits is not None and job.hidden is not None
+        return job.logits, job.hidden[0, -positions:]
+
     def set_deadline(self, seconds: float) -> None:
         """The caller's deadline is `seconds` away: wait no longer than that for rows."""
         self.wait_s = min(self.wait_s, max(0.0, seconds))
@@ -438,6 +512,8 @@ class SlotKV:
     def keep_path(self, start: int, kept: list[int]) -> None:
         """Keep the just-appended positions start+kept[i] (ascending offsets) at start+i in every
         row, and cut the rows there: an accepted tree path becomes an ordinary prefix."""
+        if self.cached <= start:  # the tree was never forwarded: nothing to move
+            return
         self._enter()
         try:
             for row in self.rows:
@@ -460,13 +536,17 @@ class EngineSession:
     Used from one thread at a time (`close` excepted, see `SlotKV`).
     """
 
-    def __init__(self, lm: CausalLM, kv: SessionKV, max_tokens: int) -> None:
+    def __init__(self, lm: CausalLM, kv: SessionKV, max_tokens: int, slots: int | None = None) -> None:
         self.lm = lm
         self.kv = kv
         self.max_tokens = max_tokens
+        self.slots = slots or max_tokens  # cache slots a row has: committed tokens + tree nodes
         self.tokens = torch.empty((1, 0), dtype=torch.long)  # [branches, length], on CPU
         self.processing = ProcessingConfig()
         self.forward_calls = 0
+        # A tree appended by the last step: committed tokens before it, and its parents.
+        self.tree_start: int | None = None
+        self.tree_parents: list[int] = []
 
     @property
     def num_branches(self) -> int:
@@ -486,12 +566,18 @@ class EngineSession:
         self.processing = request.processing
         prompt = torch.tensor(request.prompt_ids, dtype=torch.long).unsqueeze(0)
         self.tokens = prompt.expand(request.num_branches, -1).clone()
+        self.tree_start = None
         self.kv.open(request.num_branches)
         return self._finish(request.scoring, 0, False, 0, 0.0)
 
     def step(self, request: StepRequest) -> StepResult:
+        if request.tree_keep:
+            self._keep_tree(request.tree_keep)
+        elif self.tree_start is not None:
+            self._truncate(self.tree_start)
+        self.tree_start = None
         if request.tree_parents:
-            raise InvalidArgument("tree_parents", "tree verification is not supported by this service")
+            return self._step_tree(request)
         if request.keep_tokens is not None:
             self._truncate(request.keep_tokens)
         if request.branch_order:
@@ -508,6 +594,52 @@ class EngineSession:
             request.propose_min_confidence,
         )
 
+    def _step_tree(self, request: StepRequest) -> StepResult:
+        """Append a tree of nodes and score every one of them in one forward (tree attention)."""
+        if request.keep_tokens is not None:
+            self._truncate(request.keep_tokens)
+        if self.num_branches != 1 or request.branch_order:
+            raise InvalidArgument("tree_parents", "tree verification needs exactly one branch")
+        if request.propose:
+            raise InvalidArgument("propose", "cannot be combined with tree_parents")
+        if len(request.tree_parents) != len(request.append_ids):
+            raise InvalidArgument(
+                "tree_parents", f"has {len(request.tree_parents)} entries for {len(request.append_ids)} append_ids"
+            )
+        try:
+            depth = max(tree_depths(request.tree_parents))
+        except ValueError as error:
+            raise InvalidArgument("tree_parents", str(error)) from None
+        # Nodes sit at committed + depth: the deepest path, not the node count, must fit the context;
+        # in the cache each node takes a slot until the next step keeps one path.
+        self._check_length(self.length + depth + 1, "tree_parents")
+        if self.length + len(request.tree_parents) > self.slots:
+            raise InvalidArgument(
+                "tree_parents",
+                f"{len(request.tree_parents)} nodes after {self.length} tokens exceed the {self.slots} cache slots",
+            )
+        if request.scoring.kind != ScoreKind.NONE and request.scoring.positions != len(request.append_ids):
+            raise InvalidArgument(
+                "scoring.positions", f"must equal the tree's {len(request.append_ids)} nodes, got {request.scoring.positions}"
+            )
+        check_token_ids(request.append_ids, self.lm.vocab_size, "append_ids")
+        start = self.length
+        self.tokens = torch.cat([self.tokens, torch.tensor([request.append_ids], dtype=torch.long)], dim=1)
+        self.tree_start, self.tree_parents = start, list(request.tree_parents)
+        return self._finish(request.scoring, 0, False, 0, 0.0, tree=self.tree_parents)
+
+    def _keep_tree(self, nodes: list[int]) -> None:
+        """Keep one root-to-node path of the last tree: its KV moves to contiguous positions."""
+        if self.tree_start is None:
+            raise InvalidArgument("tree_keep", "the previous step appended no tree")
+        start, parents = self.tree_start, self.tree_parents
+        expected = [-1, *nodes[:-1]]
+        if any(not 0 <= node < len(parents) for node in nodes) or [parents[n] for n in nodes] != expected:
+            raise InvalidArgument("tree_keep", f"must be a root-to-node path of the {len(parents)}-node tree")
+        source = torch.tensor(nodes, dtype=torch.long) + start  # [m] positions of the kept nodes
+        self.tokens = torch.cat([self.tokens[:, :start], self.tokens[:, source]], dim=1)
+        self.kv.keep_path(start, nodes)  # node indices ascend along a path: parents precede children
+
     def set_deadline(self, seconds: float) -> None:
         """The caller's deadline is `seconds` away (the servicer says so before `open`)."""
         set_deadline = getattr(self.kv, "set_deadline", None)
@@ -515,6 +647,7 @@ class EngineSession:
             set_deadline(seconds)
 
     def close(self) -> None:
+        self.tree_start = None
         self.kv.close()
         self.tokens = torch.empty((1, 0), dtype=torch.long)
 
@@ -558,19 +691,62 @@ class EngineSession:
         self.forward_calls += 1
         return logits
 
-    def _score(self, scoring: Scoring, more: bool = False) -> Scores | None:
+    def _forward_tree(self, positions: int, tree: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One branch: logits [1, positions, vocab] and final hidden states [positions, hidden]
+        of the last `positions` tokens. The tokens not yet cached form a chain, then (when `tree`
+        is given) the tree's nodes, whose parents index the tree."""
+        start = min(self.kv.cached, self.length - positions)
+        if start < self.kv.cached:
+            self.kv.crop(start)
+        chain = self.length - start - (len(tree) if tree else 0)
+        parents = list(range(-1, chain - 1))  # [pending] the chain of uncached committed tokens
+        parents += [chain - 1 if p < 0 else chain + p for p in tree or []]
+        logits, hidden = self.kv.forward_tree(self.tokens, start, positions, parents)
+        self.forward_calls += 1
+        return logits, hidden
+
+    def _score(
+        self, scoring: Scoring, more: bool = False, tree: list[int] | None = None
+    ) -> tuple[Scores | None, torch.Tensor | None]:
+        """The scores `scoring` asks for, and the Medusa heads' top ids [positions, heads, top_k]
+        when it asks for those too."""
         if scoring.kind == ScoreKind.NONE:
-            return None
+            return None, None
         positions = scoring.positions
         if not 1 <= positions <= self.length:
             raise InvalidArgument("scoring.positions", f"must be in [1, {self.length}], got {positions}")
         score_ids = self._score_ids(scoring)  # checked before paying for a forward pass
-        logits = self._forward(positions, more)  # [branches, positions, vocab]
+        medusa_ids = None
+        if scoring.medusa_top_k or tree:
+            if self.lm.medusa is None and scoring.medusa_top_k:
+                raise InvalidArgument("scoring.medusa_top_k", "this service has no Medusa heads (--medusa)")
+            if self.num_branches != 1:
+                raise InvalidArgument("scoring.medusa_top_k", "needs exactly one branch")
+            if not 0 <= scoring.medusa_top_k <= self.lm.vocab_size:
+                raise InvalidArgument("scoring.medusa_top_k", f"must be in [0, {self.lm.vocab_size}]")
+            logits, hidden = self._forward_tree(positions, tree)  # [1, positions, vocab], [positions, hidden]
+            if scoring.medusa_top_k and self.lm.medusa is not None:
+                with torch.inference_mode():
+                    head_logits = self.lm.medusa(hidden)  # [positions, heads, vocab]
+                medusa_ids = head_logits.topk(scoring.medusa_top_k, dim=-1).indices.to(torch.int32).cpu()
+        else:
+            logits = self._forward(positions, more)  # [branches, positions, vocab]
+        start = self.length - positions
+        if tree and not self.processing.has_penalties:  # no history dependence: every node at once
+            history = self.tokens[:, :start].expand(positions, -1).to(logits.device)
+            return self._encode(scoring, self._process(scoring, logits[0], history), score_ids), medusa_ids
         per_position = []
         for j in range(positions):
-            history = self.tokens[:, : self.length - positions + j + 1].to(logits.device)
-            per_position.append(self._process(scoring, logits[:, j], history))
+            if tree:  # a node's history is the committed tokens and its own path
+                path = torch.tensor(tree_path(tree, j), dtype=torch.long) + start
+                history = torch.cat([self.tokens[:, :start], self.tokens[:, path]], dim=1)
+            else:
+                history = self.tokens[:, : start + j + 1]
+            per_position.append(self._process(scoring, logits[:, j], history.to(logits.device)))
         processed = torch.stack(per_position, dim=1).flatten(0, 1)  # [branches·positions, vocab]
+        return self._encode(scoring, processed, score_ids), medusa_ids
+
+    def _encode(self, scoring: Scoring, processed: torch.Tensor, score_ids: torch.Tensor | None) -> Scores:
         config = self.processing
         if scoring.kind == ScoreKind.ARGMAX:
             return Scores(ScoreKind.ARGMAX, argmax_ids=processed.argmax(dim=-1).to(torch.int32))
@@ -639,9 +815,11 @@ class EngineSession:
         probs = torch.stack(dists, dim=1).flatten(0, 1)  # [branches·n, vocab]
         return proposed, encode_probs(probs, self.processing)
 
-    def _finish(self, scoring: Scoring, propose: int, greedy: bool, seed: int, min_confidence: float) -> StepResult:
+    def _finish(
+        self, scoring: Scoring, propose: int, greedy: bool, seed: int, min_confidence: float, tree: list[int] | None = None
+    ) -> StepResult:
         calls_before = self.forward_calls
-        scores = self._score(scoring, more=propose > 0)
+        scores, medusa_ids = self._score(scoring, more=propose > 0, tree=tree)
         proposed, proposal_scores = None, None
         if propose > 0:
             self._check_length(self.length + propose, "propose")
@@ -655,4 +833,5 @@ class EngineSession:
             proposal_scores=proposal_scores,
             num_tokens=self.length,
             timing=ServerTiming(forward_calls=self.forward_calls - calls_before),
+            medusa_ids=medusa_ids,
         )

@@ -22,8 +22,11 @@ log = logging.getLogger("specwire")
 BackendFactory = Callable[[ModelServiceConfig], Backend]
 
 
-def load_engine(config: ModelServiceConfig, default_model: str, default_name: str) -> Engine:
-    """The model named by `--model`, or the role's embedded demo model, warmed up."""
+def load_engine(
+    config: ModelServiceConfig, default_model: str, default_name: str, default_medusa: str | None = None
+) -> Engine:
+    """The model named by `--model`, or the role's embedded demo model (with its Medusa heads,
+    when it has them and no `--medusa` says otherwise), warmed up."""
     hf_logging.disable_progress_bar()  # a service's log is no place for progress bars
     lm = CausalLM.load(
         config.model or default_model,
@@ -31,6 +34,9 @@ def load_engine(config: ModelServiceConfig, default_model: str, default_name: st
         dtype=config.dtype,
         name=config.model or default_name,
     )
+    medusa = config.medusa or (default_medusa if not config.model else None)
+    if medusa:
+        lm.attach_medusa(medusa)
     limits = EngineLimits(
         max_batch_rows=config.max_batch_rows,
         max_cache_len=config.max_cache_len,

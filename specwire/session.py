@@ -39,6 +39,8 @@ class Scoring:
     logits_dtype: str = "float32"
     # LOGITS / LOGPROBS: only these ids' scores, for every row (sparse); empty = all / top_n.
     score_ids: tuple[int, ...] = ()
+    # Medusa: each head's top `medusa_top_k` ids at every scored position too (0 = none).
+    medusa_top_k: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class StepRequest:
     propose_seed: int = 0
     propose_min_confidence: float = 0.0
     tree_parents: list[int] = field(default_factory=list)
+    tree_keep: list[int] = field(default_factory=list)  # the previous tree's kept root-to-node path
     trace: dict[str, str] | None = None
 
 
@@ -108,6 +111,7 @@ class StepResult:
     proposal_scores: Scores | None = None
     num_tokens: int = 0
     timing: ServerTiming = field(default_factory=ServerTiming)
+    medusa_ids: torch.Tensor | None = None  # [rows, heads, medusa_top_k]
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,7 @@ class ModelInfo:
     device: str = "cpu"
     dtype: str = "float32"
     cache: CacheUsage | None = None  # the slot cache, where the engine has one
+    medusa_heads: int = 0
 
 
 class BackendSession(Protocol):

@@ -121,6 +121,7 @@ def scoring_to_pb(scoring: Scoring) -> model_pb2.Scoring:
         top_n=scoring.top_n,
         logits_dtype=scoring.logits_dtype,
         score_ids=scoring.score_ids,
+        medusa_top_k=scoring.medusa_top_k,
     )
 
 
@@ -131,6 +132,7 @@ def scoring_from_pb(message: model_pb2.Scoring) -> Scoring:
         top_n=message.top_n,
         logits_dtype=message.logits_dtype or "float32",
         score_ids=tuple(message.score_ids),
+        medusa_top_k=message.medusa_top_k,
     )
 
 
@@ -172,6 +174,7 @@ def step_to_pb(request: StepRequest) -> model_pb2.SessionRequest:
         propose_seed=request.propose_seed,
         propose_min_confidence=request.propose_min_confidence,
         tree_parents=request.tree_parents,
+        tree_keep=request.tree_keep,
         trace=_trace_to_pb(request.trace),
     )
     if request.keep_tokens is not None:
@@ -200,6 +203,7 @@ def step_from_pb(message: model_pb2.Step) -> StepRequest:
         propose_seed=message.propose_seed,
         propose_min_confidence=message.propose_min_confidence,
         tree_parents=list(message.tree_parents),
+        tree_keep=list(message.tree_keep),
         trace=_trace_from_pb(message.trace),
     )
 
@@ -219,6 +223,8 @@ def result_to_pb(result: StepResult) -> model_pb2.SessionReply:
         reply.proposed_ids.CopyFrom(tensor_to_pb(result.proposed_ids.to(torch.int32)))
     if result.proposal_scores is not None:
         reply.proposal_scores.CopyFrom(scores_to_pb(result.proposal_scores))
+    if result.medusa_ids is not None:
+        reply.medusa_ids.CopyFrom(tensor_to_pb(result.medusa_ids.to(torch.int32)))
     return reply
 
 
@@ -228,6 +234,7 @@ def result_from_pb(reply: model_pb2.SessionReply) -> StepResult:
         proposed_ids=tensor_from_pb(reply.proposed_ids) if reply.HasField("proposed_ids") else None,
         proposal_scores=scores_from_pb(reply.proposal_scores) if reply.HasField("proposal_scores") else None,
         num_tokens=reply.num_tokens,
+        medusa_ids=tensor_from_pb(reply.medusa_ids) if reply.HasField("medusa_ids") else None,
         timing=ServerTiming(
             queue_us=reply.timing.queue_us,
             compute_us=reply.timing.compute_us,
@@ -248,6 +255,7 @@ def info_to_pb(info: ModelInfo) -> model_pb2.ModelInfo:
         tokenizer_source=info.tokenizer_source,
         device=info.device,
         dtype=info.dtype,
+        medusa_heads=info.medusa_heads,
         cache=cache_to_pb(info.cache) if info.cache is not None else None,
     )
 
@@ -276,6 +284,7 @@ def info_from_pb(message: model_pb2.ModelInfo) -> ModelInfo:
         tokenizer_source=message.tokenizer_source,
         device=message.device,
         dtype=message.dtype,
+        medusa_heads=message.medusa_heads,
         cache=cache_from_pb(message.cache) if message.HasField("cache") else None,
     )
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 
 from specwire.config import ModelServiceConfig
-from specwire.demo import demo_target_dir
+from specwire.demo import demo_medusa_dir, demo_target_dir
 from specwire.model_server import load_engine, run
 from specwire.session import Backend
 
 
 def build_backend(config: ModelServiceConfig) -> Backend:
-    return load_engine(config, str(demo_target_dir()), "specwire-demo-target")
+    heads = demo_medusa_dir()
+    default_heads = str(heads) if heads.is_dir() else None
+    return load_engine(config, str(demo_target_dir()), "specwire-demo-target", default_heads)
 
 
 def main(config: ModelServiceConfig) -> None:

@@ -44,6 +44,7 @@ def start_observed_stack(
     span_exporter: SpanExporter | None = None,
     trace_dir: Path | None = None,
     metrics: bool = False,
+    medusa_dir: Path | None = None,
 ) -> Observed:
     """Target, draft and orchestrator on loopback; spans to `span_exporter` and/or to
     `trace_dir/<service>.jsonl`; per-service metric registries when `metrics`."""
@@ -60,9 +61,10 @@ def start_observed_stack(
     orchestrator_metrics = OrchestratorMetrics(process_metrics=False) if metrics else None
     target_metrics = ModelServiceMetrics("target", process_metrics=False) if metrics else None
     draft_metrics = ModelServiceMetrics("draft", process_metrics=False) if metrics else None
-    target = loop.run(
-        start_model_server(load_engine(target_dir, "target"), tracings.get("target"), target_metrics)
-    )
+    target_engine = load_engine(target_dir, "target")
+    if medusa_dir is not None:  # heads, so the medusa strategy runs too
+        target_engine.lm.attach_medusa(str(medusa_dir))
+    target = loop.run(start_model_server(target_engine, tracings.get("target"), target_metrics))
     draft = loop.run(start_model_server(load_engine(draft_dir, "draft"), tracings.get("draft"), draft_metrics))
     config = OrchestratorConfig(
         target=target.address, draft=draft.address, tokenizer=str(target_dir), connect_timeout_s=10.0,

@@ -26,6 +26,7 @@ from tests.harness import LoopThread
 from tests.observed import Observed, start_observed_stack
 
 PROMPT = "def add(a, b):"
+pytest_plugins = ["tests.medusa_fixtures"]  # the traced target has heads, so every strategy runs
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +36,11 @@ def exporter() -> InMemorySpanExporter:
 
 @pytest.fixture(scope="module")
 def traced(
-    loop: LoopThread, llama_target_dir: Path, llama_draft_dir: Path, exporter: InMemorySpanExporter
+    loop: LoopThread, llama_target_dir: Path, llama_draft_dir: Path, llama_heads_dir: Path, exporter: InMemorySpanExporter
 ) -> Iterator[Observed]:
-    observed = start_observed_stack(loop, llama_target_dir, llama_draft_dir, span_exporter=exporter)
+    observed = start_observed_stack(
+        loop, llama_target_dir, llama_draft_dir, span_exporter=exporter, medusa_dir=llama_heads_dir
+    )
     yield observed
     observed.stop()
 

@@ -12,13 +12,14 @@ from specwire.client import Client
 from specwire.client.launcher import free_base_port
 
 ROOT = Path(__file__).resolve().parent.parent
+pytest_plugins = ["tests.medusa_fixtures"]  # `--medusa` passes the heads on to the target
 
 
-def test_up_serves_and_stops_on_sigterm(llama_target_dir: Path, llama_draft_dir: Path) -> None:
+def test_up_serves_and_stops_on_sigterm(llama_target_dir: Path, llama_draft_dir: Path, llama_heads_dir: Path) -> None:
     port = free_base_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "specwire", "up", "--target-model", str(llama_target_dir),
-         "--draft-model", str(llama_draft_dir), "--port", str(port), "--device", "cpu"],
+         "--draft-model", str(llama_draft_dir), "--medusa", str(llama_heads_dir), "--port", str(port), "--device", "cpu"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -32,7 +33,9 @@ def test_up_serves_and_stops_on_sigterm(llama_target_dir: Path, llama_draft_dir:
         assert any(line.startswith(f"target        127.0.0.1:{port + 2}") for line in lines), lines
         with Client(f"127.0.0.1:{port}", timeout=60) as client:
             assert client.health() == "SERVING"
-            assert len(client.generate(prompt="def", max_new_tokens=5, ignore_eos=True).token_ids) == 5
+            greedy = client.generate(prompt="def", max_new_tokens=5, ignore_eos=True).token_ids
+            assert len(greedy) == 5
+            assert client.generate(prompt="def", strategy="medusa", max_new_tokens=5, ignore_eos=True).token_ids == greedy
         children = [int(pid) for pid in subprocess.run(
             ["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()]
         assert len(children) == 3

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["DEMO_DIR", "demo_target_dir", "demo_draft_dir", "demo_tokenizer_dir"]
+__all__ = ["DEMO_DIR", "demo_target_dir", "demo_draft_dir", "demo_medusa_dir", "demo_tokenizer_dir"]
 
 DEMO_DIR: Path = Path(__file__).parent / "pair"
 
@@ -30,6 +30,11 @@ def demo_target_dir() -> Path:
 def demo_draft_dir() -> Path:
     """Return the directory of the embedded DRAFT model (HF format)."""
     return DEMO_DIR / "draft"
+
+
+def demo_medusa_dir() -> Path:
+    """Return the directory of the demo target's Medusa heads (`specwire train-medusa`)."""
+    return DEMO_DIR / "target-medusa"
 
 
 def demo_tokenizer_dir() -> Path:

@@ -25,37 +25,37 @@ _sym_db = _symbol_database.Default()
 from specwire.v1 import common_pb2 as specwire_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specwire/v1/model.proto\x12\x0bspecwire.v1\x1a\x18specwire/v1/common.proto\"\r\n\x0bInfoRequest\"\x82\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\x14\n\x0c\x63\x61pabilities\x18\x06 \x03(\t\x12\x0c\n\x04role\x18\x07 \x01(\t\x12\x18\n\x10tokenizer_source\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12%\n\x05\x63\x61\x63he\x18\x0b \x01(\x0b\x32\x16.specwire.v1.CacheInfo\"\x9b\x01\n\tCacheInfo\x12\x0c\n\x04rows\x18\x01 \x01(\x05\x12\x13\n\x0brows_in_use\x18\x02 \x01(\x05\x12\x0f\n\x07max_len\x18\x03 \x01(\x05\x12\x15\n\rtokens_in_use\x18\x04 \x01(\x03\x12\x14\n\x0c\x62ytes_in_use\x18\x05 \x01(\x03\x12\x13\n\x0b\x62ytes_total\x18\x06 \x01(\x03\x12\x18\n\x10sessions_waiting\x18\x07 \x01(\x05\"\xaa\x01\n\x10ProcessingConfig\x12\x1a\n\x12repetition_penalty\x18\x01 \x01(\x02\x12\x1c\n\x14no_repeat_ngram_size\x18\x02 \x01(\x05\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x1a\n\x12min_tokens_to_keep\x18\x07 \x01(\x05\"L\n\x0c\x45xtraOutputs\x12\x0f\n\x07\x65ntropy\x18\x01 \x01(\x08\x12\x12\n\nvarentropy\x18\x02 \x01(\x08\x12\x17\n\x0f\x61ttention_stats\x18\x03 \x01(\x08\"\xb4\x01\n\x04Open\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x31\n\nprocessing\x18\x02 \x01(\x0b\x32\x1d.specwire.v1.ProcessingConfig\x12\x14\n\x0cnum_branches\x18\x03 \x01(\x05\x12%\n\x07scoring\x18\x04 \x01(\x0b\x32\x14.specwire.v1.Scoring\x12(\n\x05trace\x18\x0f \x01(\x0b\x32\x19.specwire.v1.TraceContext\"\xa5\x01\n\x07Scoring\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.specwire.v1.ScoreKind\x12\x11\n\tpositions\x18\x02 \x01(\x05\x12\r\n\x05top_n\x18\x03 \x01(\x05\x12\x14\n\x0clogits_dtype\x18\x04 \x01(\t\x12)\n\x06\x65xtras\x18\x05 \x01(\x0b\x32\x19.specwire.v1.ExtraOutputs\x12\x11\n\tscore_ids\x18\x06 \x03(\x05\"\xa0\x02\n\x04Step\x12\x18\n\x0bkeep_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x0c\x62ranch_order\x18\x03 \x03(\x05\x12\x12\n\nappend_ids\x18\x04 \x03(\x05\x12%\n\x07scoring\x18\x05 \x01(\x0b\x32\x14.specwire.v1.Scoring\x12\x0f\n\x07propose\x18\x06 \x01(\x05\x12\x16\n\x0epropose_greedy\x18\x07 \x01(\x08\x12\x14\n\x0cpropose_seed\x18\x08 \x01(\x04\x12\x1e\n\x16propose_min_confidence\x18\t \x01(\x02\x12\x14\n\x0ctree_parents\x18\n \x03(\x05\x12(\n\x05trace\x18\x0f \x01(\x0b\x32\x19.specwire.v1.TraceContextB\x0e\n\x0c_keep_tokens\"^\n\x0eSessionRequest\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.specwire.v1.OpenH\x00\x12!\n\x04step\x18\x02 \x01(\x0b\x32\x11.specwire.v1.StepH\x00\x42\x06\n\x04kind\"\xcf\x02\n\x06Scores\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.specwire.v1.ScoreKind\x12\'\n\nargmax_ids\x18\x02 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12\"\n\x05\x64\x65nse\x18\x03 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12\'\n\nsparse_ids\x18\x04 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12*\n\rsparse_values\x18\x05 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12$\n\x07\x65ntropy\x18\x06 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12\'\n\nvarentropy\x18\x07 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12.\n\x11\x61ttention_entropy\x18\x08 \x01(\x0b\x32\x13.specwire.v1.Tensor\"\xcb\x01\n\x0cSessionReply\x12#\n\x06scores\x18\x01 \x01(\x0b\x32\x13.specwire.v1.Scores\x12)\n\x0cproposed_ids\x18\x02 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12,\n\x0fproposal_scores\x18\x03 \x01(\x0b\x32\x13.specwire.v1.Scores\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12)\n\x06timing\x18\x05 \x01(\x0b\x32\x19.specwire.v1.ServerTiming*\x84\x01\n\tScoreKind\x12\x1a\n\x16SCORE_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11SCORE_KIND_ARGMAX\x10\x01\x12\x14\n\x10SCORE_KIND_PROBS\x10\x02\x12\x17\n\x13SCORE_KIND_LOGPROBS\x10\x03\x12\x15\n\x11SCORE_KIND_LOGITS\x10\x04\x32\x8f\x01\n\x0cModelService\x12\x38\n\x04Info\x12\x18.specwire.v1.InfoRequest\x1a\x16.specwire.v1.ModelInfo\x12\x45\n\x07Session\x12\x1b.specwire.v1.SessionRequest\x1a\x19.specwire.v1.SessionReply(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specwire/v1/model.proto\x12\x0bspecwire.v1\x1a\x18specwire/v1/common.proto\"\r\n\x0bInfoRequest\"\x98\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\x14\n\x0c\x63\x61pabilities\x18\x06 \x03(\t\x12\x0c\n\x04role\x18\x07 \x01(\t\x12\x18\n\x10tokenizer_source\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12%\n\x05\x63\x61\x63he\x18\x0b \x01(\x0b\x32\x16.specwire.v1.CacheInfo\x12\x14\n\x0cmedusa_heads\x18\x0c \x01(\x05\"\x9b\x01\n\tCacheInfo\x12\x0c\n\x04rows\x18\x01 \x01(\x05\x12\x13\n\x0brows_in_use\x18\x02 \x01(\x05\x12\x0f\n\x07max_len\x18\x03 \x01(\x05\x12\x15\n\rtokens_in_use\x18\x04 \x01(\x03\x12\x14\n\x0c\x62ytes_in_use\x18\x05 \x01(\x03\x12\x13\n\x0b\x62ytes_total\x18\x06 \x01(\x03\x12\x18\n\x10sessions_waiting\x18\x07 \x01(\x05\"\xaa\x01\n\x10ProcessingConfig\x12\x1a\n\x12repetition_penalty\x18\x01 \x01(\x02\x12\x1c\n\x14no_repeat_ngram_size\x18\x02 \x01(\x05\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x1a\n\x12min_tokens_to_keep\x18\x07 \x01(\x05\"L\n\x0c\x45xtraOutputs\x12\x0f\n\x07\x65ntropy\x18\x01 \x01(\x08\x12\x12\n\nvarentropy\x18\x02 \x01(\x08\x12\x17\n\x0f\x61ttention_stats\x18\x03 \x01(\x08\"\xb4\x01\n\x04Open\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x31\n\nprocessing\x18\x02 \x01(\x0b\x32\x1d.specwire.v1.ProcessingConfig\x12\x14\n\x0cnum_branches\x18\x03 \x01(\x05\x12%\n\x07scoring\x18\x04 \x01(\x0b\x32\x14.specwire.v1.Scoring\x12(\n\x05trace\x18\x0f \x01(\x0b\x32\x19.specwire.v1.TraceContext\"\xbb\x01\n\x07Scoring\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.specwire.v1.ScoreKind\x12\x11\n\tpositions\x18\x02 \x01(\x05\x12\r\n\x05top_n\x18\x03 \x01(\x05\x12\x14\n\x0clogits_dtype\x18\x04 \x01(\t\x12)\n\x06\x65xtras\x18\x05 \x01(\x0b\x32\x19.specwire.v1.ExtraOutputs\x12\x11\n\tscore_ids\x18\x06 \x03(\x05\x12\x14\n\x0cmedusa_top_k\x18\x07 \x01(\x05\"\xb3\x02\n\x04Step\x12\x18\n\x0bkeep_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x0c\x62ranch_order\x18\x03 \x03(\x05\x12\x12\n\nappend_ids\x18\x04 \x03(\x05\x12%\n\x07scoring\x18\x05 \x01(\x0b\x32\x14.specwire.v1.Scoring\x12\x0f\n\x07propose\x18\x06 \x01(\x05\x12\x16\n\x0epropose_greedy\x18\x07 \x01(\x08\x12\x14\n\x0cpropose_seed\x18\x08 \x01(\x04\x12\x1e\n\x16propose_min_confidence\x18\t \x01(\x02\x12\x14\n\x0ctree_parents\x18\n \x03(\x05\x12\x11\n\ttree_keep\x18\x0b \x03(\x05\x12(\n\x05trace\x18\x0f \x01(\x0b\x32\x19.specwire.v1.TraceContextB\x0e\n\x0c_keep_tokens\"^\n\x0eSessionRequest\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.specwire.v1.OpenH\x00\x12!\n\x04step\x18\x02 \x01(\x0b\x32\x11.specwire.v1.StepH\x00\x42\x06\n\x04kind\"\xcf\x02\n\x06Scores\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.specwire.v1.ScoreKind\x12\'\n\nargmax_ids\x18\x02 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12\"\n\x05\x64\x65nse\x18\x03 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12\'\n\nsparse_ids\x18\x04 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12*\n\rsparse_values\x18\x05 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12$\n\x07\x65ntropy\x18\x06 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12\'\n\nvarentropy\x18\x07 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12.\n\x11\x61ttention_entropy\x18\x08 \x01(\x0b\x32\x13.specwire.v1.Tensor\"\xf4\x01\n\x0cSessionReply\x12#\n\x06scores\x18\x01 \x01(\x0b\x32\x13.specwire.v1.Scores\x12)\n\x0cproposed_ids\x18\x02 \x01(\x0b\x32\x13.specwire.v1.Tensor\x12,\n\x0fproposal_scores\x18\x03 \x01(\x0b\x32\x13.specwire.v1.Scores\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12)\n\x06timing\x18\x05 \x01(\x0b\x32\x19.specwire.v1.ServerTiming\x12\'\n\nmedusa_ids\x18\x06 \x01(\x0b\x32\x13.specwire.v1.Tensor*\x84\x01\n\tScoreKind\x12\x1a\n\x16SCORE_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11SCORE_KIND_ARGMAX\x10\x01\x12\x14\n\x10SCORE_KIND_PROBS\x10\x02\x12\x17\n\x13SCORE_KIND_LOGPROBS\x10\x03\x12\x15\n\x11SCORE_KIND_LOGITS\x10\x04\x32\x8f\x01\n\x0cModelService\x12\x38\n\x04Info\x12\x18.specwire.v1.InfoRequest\x1a\x16.specwire.v1.ModelInfo\x12\x45\n\x07Session\x12\x1b.specwire.v1.SessionRequest\x1a\x19.specwire.v1.SessionReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specwire.v1.model_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SCOREKIND']._serialized_start=2034
-  _globals['_SCOREKIND']._serialized_end=2166
+  _globals['_SCOREKIND']._serialized_start=2138
+  _globals['_SCOREKIND']._serialized_end=2270
   _globals['_INFOREQUEST']._serialized_start=66
   _globals['_INFOREQUEST']._serialized_end=79
   _globals['_MODELINFO']._serialized_start=82
-  _globals['_MODELINFO']._serialized_end=340
-  _globals['_CACHEINFO']._serialized_start=343
-  _globals['_CACHEINFO']._serialized_end=498
-  _globals['_PROCESSINGCONFIG']._serialized_start=501
-  _globals['_PROCESSINGCONFIG']._serialized_end=671
-  _globals['_EXTRAOUTPUTS']._serialized_start=673
-  _globals['_EXTRAOUTPUTS']._serialized_end=749
-  _globals['_OPEN']._serialized_start=752
-  _globals['_OPEN']._serialized_end=932
-  _globals['_SCORING']._serialized_start=935
-  _globals['_SCORING']._serialized_end=1100
-  _globals['_STEP']._serialized_start=1103
-  _globals['_STEP']._serialized_end=1391
-  _globals['_SESSIONREQUEST']._serialized_start=1393
-  _globals['_SESSIONREQUEST']._serialized_end=1487
-  _globals['_SCORES']._serialized_start=1490
-  _globals['_SCORES']._serialized_end=1825
-  _globals['_SESSIONREPLY']._serialized_start=1828
-  _globals['_SESSIONREPLY']._serialized_end=2031
-  _globals['_MODELSERVICE']._serialized_start=2169
-  _globals['_MODELSERVICE']._serialized_end=2312
+  _globals['_MODELINFO']._serialized_end=362
+  _globals['_CACHEINFO']._serialized_start=365
+  _globals['_CACHEINFO']._serialized_end=520
+  _globals['_PROCESSINGCONFIG']._serialized_start=523
+  _globals['_PROCESSINGCONFIG']._serialized_end=693
+  _globals['_EXTRAOUTPUTS']._serialized_start=695
+  _globals['_EXTRAOUTPUTS']._serialized_end=771
+  _globals['_OPEN']._serialized_start=774
+  _globals['_OPEN']._serialized_end=954
+  _globals['_SCORING']._serialized_start=957
+  _globals['_SCORING']._serialized_end=1144
+  _globals['_STEP']._serialized_start=1147
+  _globals['_STEP']._serialized_end=1454
+  _globals['_SESSIONREQUEST']._serialized_start=1456
+  _globals['_SESSIONREQUEST']._serialized_end=1550
+  _globals['_SCORES']._serialized_start=1553
+  _globals['_SCORES']._serialized_end=1888
+  _globals['_SESSIONREPLY']._serialized_start=1891
+  _globals['_SESSIONREPLY']._serialized_end=2135
+  _globals['_MODELSERVICE']._serialized_start=2273
+  _globals['_MODELSERVICE']._serialized_end=2416
 # @@protoc_insertion_point(module_scope)

@@ -26,7 +26,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_context", "capabilities", "role", "tokenizer_source", "device", "dtype", "cache")
+    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_context", "capabilities", "role", "tokenizer_source", "device", "dtype", "cache", "medusa_heads")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    MEDUSA_HEADS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -49,7 +50,8 @@ class ModelInfo(_message.Message):
     device: str
     dtype: str
     cache: CacheInfo
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., role: _Optional[str] = ..., tokenizer_source: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., cache: _Optional[_Union[CacheInfo, _Mapping]] = ...) -> None: ...
+    medusa_heads: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., role: _Optional[str] = ..., tokenizer_source: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., cache: _Optional[_Union[CacheInfo, _Mapping]] = ..., medusa_heads: _Optional[int] = ...) -> None: ...
 
 class CacheInfo(_message.Message):
     __slots__ = ("rows", "rows_in_use", "max_len", "tokens_in_use", "bytes_in_use", "bytes_total", "sessions_waiting")
@@ -112,23 +114,25 @@ class Open(_message.Message):
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., processing: _Optional[_Union[ProcessingConfig, _Mapping]] = ..., num_branches: _Optional[int] = ..., scoring: _Optional[_Union[Scoring, _Mapping]] = ..., trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
 
 class Scoring(_message.Message):
-    __slots__ = ("kind", "positions", "top_n", "logits_dtype", "extras", "score_ids")
+    __slots__ = ("kind", "positions", "top_n", "logits_dtype", "extras", "score_ids", "medusa_top_k")
     KIND_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     TOP_N_FIELD_NUMBER: _ClassVar[int]
     LOGITS_DTYPE_FIELD_NUMBER: _ClassVar[int]
     EXTRAS_FIELD_NUMBER: _ClassVar[int]
     SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
+    MEDUSA_TOP_K_FIELD_NUMBER: _ClassVar[int]
     kind: ScoreKind
     positions: int
     top_n: int
     logits_dtype: str
     extras: ExtraOutputs
     score_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kind: _Optional[_Union[ScoreKind, str]] = ..., positions: _Optional[int] = ..., top_n: _Optional[int] = ..., logits_dtype: _Optional[str] = ..., extras: _Optional[_Union[ExtraOutputs, _Mapping]] = ..., score_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    medusa_top_k: int
+    def __init__(self, kind: _Optional[_Union[ScoreKind, str]] = ..., positions: _Optional[int] = ..., top_n: _Optional[int] = ..., logits_dtype: _Optional[str] = ..., extras: _Optional[_Union[ExtraOutputs, _Mapping]] = ..., score_ids: _Optional[_Iterable[int]] = ..., medusa_top_k: _Optional[int] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("keep_tokens", "branch_order", "append_ids", "scoring", "propose", "propose_greedy", "propose_seed", "propose_min_confidence", "tree_parents", "trace")
+    __slots__ = ("keep_tokens", "branch_order", "append_ids", "scoring", "propose", "propose_greedy", "propose_seed", "propose_min_confidence", "tree_parents", "tree_keep", "trace")
     KEEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BRANCH_ORDER_FIELD_NUMBER: _ClassVar[int]
     APPEND_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +142,7 @@ class Step(_message.Message):
     PROPOSE_SEED_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     TREE_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    TREE_KEEP_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
     keep_tokens: int
     branch_order: _containers.RepeatedScalarFieldContainer[int]
@@ -148,8 +153,9 @@ class Step(_message.Message):
     propose_seed: int
     propose_min_confidence: float
     tree_parents: _containers.RepeatedScalarFieldContainer[int]
+    tree_keep: _containers.RepeatedScalarFieldContainer[int]
     trace: _common_pb2.TraceContext
-    def __init__(self, keep_tokens: _Optional[int] = ..., branch_order: _Optional[_Iterable[int]] = ..., append_ids: _Optional[_Iterable[int]] = ..., scoring: _Optional[_Union[Scoring, _Mapping]] = ..., propose: _Optional[int] = ..., propose_greedy: _Optional[bool] = ..., propose_seed: _Optional[int] = ..., propose_min_confidence: _Optional[float] = ..., tree_parents: _Optional[_Iterable[int]] = ..., trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
+    def __init__(self, keep_tokens: _Optional[int] = ..., branch_order: _Optional[_Iterable[int]] = ..., append_ids: _Optional[_Iterable[int]] = ..., scoring: _Optional[_Union[Scoring, _Mapping]] = ..., propose: _Optional[int] = ..., propose_greedy: _Optional[bool] = ..., propose_seed: _Optional[int] = ..., propose_min_confidence: _Optional[float] = ..., tree_parents: _Optional[_Iterable[int]] = ..., tree_keep: _Optional[_Iterable[int]] = ..., trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("open", "step")
@@ -180,15 +186,17 @@ class Scores(_message.Message):
     def __init__(self, kind: _Optional[_Union[ScoreKind, str]] = ..., argmax_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., dense: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sparse_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sparse_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., varentropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., attention_entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class SessionReply(_message.Message):
-    __slots__ = ("scores", "proposed_ids", "proposal_scores", "num_tokens", "timing")
+    __slots__ = ("scores", "proposed_ids", "proposal_scores", "num_tokens", "timing", "medusa_ids")
     SCORES_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_IDS_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_SCORES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    MEDUSA_IDS_FIELD_NUMBER: _ClassVar[int]
     scores: Scores
     proposed_ids: _common_pb2.Tensor
     proposal_scores: Scores
     num_tokens: int
     timing: _common_pb2.ServerTiming
-    def __init__(self, scores: _Optional[_Union[Scores, _Mapping]] = ..., proposed_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., proposal_scores: _Optional[_Union[Scores, _Mapping]] = ..., num_tokens: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ServerTiming, _Mapping]] = ...) -> None: ...
+    medusa_ids: _common_pb2.Tensor
+    def __init__(self, scores: _Optional[_Union[Scores, _Mapping]] = ..., proposed_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., proposal_scores: _Optional[_Union[Scores, _Mapping]] = ..., num_tokens: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ServerTiming, _Mapping]] = ..., medusa_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,201 @@
+"""Medusa heads and candidate trees (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration
+Framework with Multiple Decoding Heads", arXiv:2401.10774).
+
+Medusa-1 heads sit on the target's last hidden state h_t. Head k (k = 0 … K−1) is
+`medusa_num_layers` residual blocks h ← h + SiLU(W h + b), W zero-initialised, then a linear map
+to the vocabulary; it predicts the token k+1 places after the one the base head predicts, i.e.
+x_{t+k+2}. They are stored beside a model as `medusa_heads.safetensors` plus `medusa_config.json`.
+
+A candidate tree comes from `medusa_choices`, as in the reference implementation: each choice is
+a path of top-k indices, one per head, e.g. (0, 1) = head 0's top-1 followed by head 1's top-2.
+Node 0 is the root (the token just decided); node i+1 is choice i, choices ordered by depth.
+Everything here is a pure function or a plain module; the engine and the orchestrator share it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+CONFIG_NAME = "medusa_config.json"
+WEIGHTS_NAME = "medusa_heads.safetensors"
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    medusa_num_heads: int
+    medusa_num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+
+class ResBlock(nn.Module):
+    """h + SiLU(W h + b), W zero-initialised so a fresh block is the identity."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + nn.functional.silu(self.linear(hidden))
+
+
+class MedusaHeads(nn.Module):
+    """K heads over the last hidden state: [..., hidden] → [..., K, vocab] logits."""
+
+    def __init__(self, config: MedusaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.heads = nn.ModuleList(
+            nn.Sequential(
+                *[ResBlock(config.hidden_size) for _ in range(config.medusa_num_layers)],
+                nn.Linear(config.hidden_size, config.vocab_size, bias=False),
+            )
+            for _ in range(config.medusa_num_heads)
+        )
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.medusa_num_heads
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.stack([head(hidden) for head in self.heads], dim=-2)  # [..., K, vocab]
+
+    def init_from_lm_head(self, lm_head_weight: torch.Tensor) -> None:
+        """Start every head's vocabulary map as the base model's (reference practice): a fresh
+        head then predicts the base's next token, a better start than random."""
+        with torch.no_grad():
+            for head in self.heads:
+                cast(nn.Linear, cast(nn.Sequential, head)[-1]).weight.copy_(lm_head_weight)
+
+    def save(self, directory: str | Path) -> None:
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {name: tensor.detach().to(torch.float16).contiguous() for name, tensor in self.state_dict().items()}
+        save_file(state, str(out / WEIGHTS_NAME))
+        (out / CONFIG_NAME).write_text(json.dumps(self.config.__dict__, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: str | Path) -> MedusaHeads:
+        path = Path(directory)
+        if not (path / CONFIG_NAME).is_file():
+            raise ValueError(f"--medusa: {path} has no {CONFIG_NAME}")
+        config = MedusaConfig(**json.loads((path / CONFIG_NAME).read_text()))
+        heads = cls(config)
+        heads.load_state_dict({k: v.float() for k, v in load_file(str(path / WEIGHTS_NAME)).items()})
+        return heads.eval()
+
+
+# -- trees -------------------------------------------------------------------------------------
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each node (a root, parent −1, has depth 0). Parents must precede children."""
+    depths: list[int] = []
+    for index, parent in enumerate(parents):
+        if not -1 <= parent < index:
+            raise ValueError(f"tree_parents[{index}] = {parent}: must be -1 or an earlier node's index")
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def tree_attention(parents: list[int]) -> torch.Tensor:
+    """allowed[i, j] = node j is node i or one of its ancestors. parents: [n] → [n, n] bool."""
+    size = len(parents)
+    allowed = torch.eye(size, dtype=torch.bool)  # [n, n]
+    for index, parent in enumerate(parents):
+        if parent >= 0:
+            allowed[index] |= allowed[parent]
+    return allowed
+
+
+def tree_path(parents: list[int], node: int) -> list[int]:
+    """Nodes from the root down to `node`, inclusive."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def tree_children(parents: list[int]) -> list[list[int]]:
+    """Each node's children, in node order (the order acceptance tries them)."""
+    children: list[list[int]] = [[] for _ in parents]
+    for index, parent in enumerate(parents):
+        if parent >= 0:
+            children[parent].append(index)
+    return children
+
+
+@dataclass(frozen=True)
+class TreeLayout:
+    """A Medusa candidate tree, laid out once per `medusa_choices`. n = len(choices) + 1 nodes."""
+
+    choices: tuple[tuple[int, ...], ...]  # sorted by depth, then lexicographically
+    parents: list[int]  # [n]; parents[0] = −1 (the root: the token just decided)
+    head_index: torch.Tensor  # [n−1] long: which head proposes node i+1 (its depth − 1)
+    topk_index: torch.Tensor  # [n−1] long: which of that head's top-k it takes
+    attention: torch.Tensor  # [n, n] bool: ancestors and self (`tree_attention`)
+    position_offsets: torch.Tensor  # [n] long: depth, added to the committed length
+    retrieve_paths: torch.Tensor  # [leaves, max_depth+1] long: root→leaf node indices, −1 padded
+    top_k: int  # the largest top-k index used, plus one: what each head must return
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.head_index.max()) + 1 if self.head_index.numel() else 0
+
+
+def build_tree(medusa_choices: list[list[int]] | list[tuple[int, ...]]) -> TreeLayout:
+    """The tree for `medusa_choices`. Every prefix of a choice must be a choice too."""
+    choices = sorted({tuple(int(i) for i in choice) for choice in medusa_choices}, key=lambda c: (len(c), c))
+    if any(not choice or min(choice) < 0 for choice in choices):
+        raise ValueError("medusa_choices: every choice is a non-empty path of top-k indices ≥ 0")
+    node_of = {(): 0} | {choice: index + 1 for index, choice in enumerate(choices)}
+    missing = [choice for choice in choices if choice[:-1] not in node_of]
+    if missing:
+        raise ValueError(f"medusa_choices: the prefix of {list(missing[0])} is not a choice")
+    parents = [-1] + [node_of[choice[:-1]] for choice in choices]
+    leaves = [node for node, kids in enumerate(tree_children(parents)) if not kids]
+    depth = max((len(c) for c in choices), default=0)
+    retrieve = torch.full((len(leaves), depth + 1), -1, dtype=torch.long)  # [leaves, max_depth+1]
+    for row, leaf in enumerate(leaves):
+        path = tree_path(parents, leaf)
+        retrieve[row, : len(path)] = torch.tensor(path)
+    return TreeLayout(
+        choices=tuple(choices),
+        parents=parents,
+        head_index=torch.tensor([len(c) - 1 for c in choices], dtype=torch.long),
+        topk_index=torch.tensor([c[-1] for c in choices], dtype=torch.long),
+        attention=tree_attention(parents),
+        position_offsets=torch.tensor(tree_depths(parents), dtype=torch.long),
+        retrieve_paths=retrieve,
+        top_k=max((max(c) for c in choices), default=-1) + 1,
+    )
+
+
+def tree_tokens(layout: TreeLayout, root_token: int, head_top_ids: torch.Tensor) -> list[int]:
+    """Node tokens: the root, then each choice's token from its head's top-k.
+
+    head_top_ids: [K, top_k] ids, each head's best first (the heads at the root's predecessor).
+    """
+    candidates = head_top_ids[layout.head_index, layout.topk_index]  # [n−1]
+    return [root_token, *candidates.tolist()]
+
+
+def load_choices(path: str | Path) -> list[list[int]]:
+    """`medusa_choices` from a JSON file: a list of lists of top-k indices."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, list) or not all(isinstance(c, list) and all(isinstance(i, int) for i in c) for c in data):
+        raise ValueError(f"{path}: medusa_choices must be a JSON list of lists of integers")
+    return data

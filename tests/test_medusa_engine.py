@@ -1,0 +1,87 @@
+"""Tree verification in the engine: every node's logits equal a plain forward over its own path,
+and keeping a path compacts its KV so later steps equal a fresh prefill (Llama and GPT-2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from specwire.errors import InvalidArgument
+from specwire.medusa import build_tree, tree_path
+from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
+from tests.conftest import hf_model
+from tests.medusa_tiny import medusa_engine
+
+pytest_plugins = ["tests.medusa_fixtures"]
+
+PROMPT = [5, 17, 42, 9, 33, 71]
+TREE = build_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+NODES = [11, 12, 13, 14, 15, 16, 17, 18]  # any tokens: the root then one per choice
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def model_and_heads(request: pytest.FixtureRequest) -> tuple[Path, Path]:
+    return request.getfixturevalue(f"{request.param}_target_dir"), request.getfixturevalue(f"{request.param}_heads_dir")
+
+
+def test_tree_logits_equal_each_paths_plain_forward(model_and_heads: tuple[Path, Path]) -> None:
+    model_dir, heads_dir = model_and_heads
+    engine = medusa_engine(model_dir, heads_dir)
+    reference: Any = hf_model(model_dir)
+    session = engine.new_session()
+    session.open(OpenRequest(PROMPT))
+    result = session.step(
+        StepRequest(
+            append_ids=NODES,
+            tree_parents=TREE.parents,
+            scoring=Scoring(ScoreKind.LOGITS, positions=len(NODES), medusa_top_k=3),
+        )
+    )
+    assert result.scores is not None and result.scores.dense is not None and result.medusa_ids is not None
+    assert result.timing.forward_calls == 1  # the uncached prompt as a chain, then the tree: one forward
+    assert result.medusa_ids.shape == (len(NODES), 3, 3)
+    for node in range(len(NODES)):
+        path = [NODES[i] for i in tree_path(TREE.parents, node)]
+        with torch.no_grad():
+            hidden = reference.base_model(torch.tensor([PROMPT + path])).last_hidden_state[0, -1]
+            expected = reference.get_output_embeddings()(hidden)
+            heads = engine.lm.medusa(hidden).topk(3, dim=-1).indices  # type: ignore[misc]
+        torch.testing.assert_close(result.scores.dense[node], expected, atol=1e-4, rtol=1e-4)
+        assert torch.equal(result.medusa_ids[node].long(), heads)
+
+
+def test_kept_path_continues_like_a_fresh_prefill(model_and_heads: tuple[Path, Path]) -> None:
+    model_dir, heads_dir = model_and_heads
+    engine = medusa_engine(model_dir, heads_dir)
+    session = engine.new_session()
+    session.open(OpenRequest(PROMPT))
+    session.step(StepRequest(append_ids=NODES, tree_parents=TREE.parents, scoring=Scoring(ScoreKind.NONE)))
+    kept = tree_path(TREE.parents, 7)  # root → (0) → (0, 0) → (0, 0, 0)
+    after = session.step(
+        StepRequest(tree_keep=kept, append_ids=[3, 4], scoring=Scoring(ScoreKind.LOGITS, positions=2))
+    )
+    fresh = engine.new_session()
+    expected = fresh.open(
+        OpenRequest(PROMPT + [NODES[i] for i in kept] + [3, 4], scoring=Scoring(ScoreKind.LOGITS, positions=2))
+    )
+    assert after.num_tokens == len(PROMPT) + len(kept) + 2
+    assert after.timing.forward_calls == 1  # the kept nodes stayed cached
+    assert after.scores is not None and expected.scores is not None
+    torch.testing.assert_close(after.scores.dense, expected.scores.dense, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_trees_are_refused(llama_target_dir: Path, llama_heads_dir: Path) -> None:
+    session = medusa_engine(llama_target_dir, llama_heads_dir).new_session()
+    session.open(OpenRequest(PROMPT))
+    with pytest.raises(InvalidArgument, match="tree_parents"):
+        session.step(StepRequest(append_ids=[1, 2], tree_parents=[-1, 1]))
+    with pytest.raises(InvalidArgument, match="tree_parents"):
+        session.step(StepRequest(append_ids=[1, 2], tree_parents=[-1]))
+    with pytest.raises(InvalidArgument, match="tree_keep"):
+        session.step(StepRequest(tree_keep=[0]))
+    session.step(StepRequest(append_ids=NODES, tree_parents=TREE.parents))
+    with pytest.raises(InvalidArgument, match="tree_keep"):
+        session.step(StepRequest(tree_keep=[0, 2, 4]))  # 4's parent is 1, not 2

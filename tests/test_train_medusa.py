@@ -1,0 +1,42 @@
+"""`specwire train-medusa` on a tiny model: deterministic, the loss falls, heads load back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from specwire.client.cli import main
+
+from specwire.medusa import MedusaHeads
+from tests.tiny import CORPUS
+
+
+def _train(model_dir: Path, data: list[str], out: Path) -> dict[str, object]:
+    argv = ["train-medusa", "--model", str(model_dir), "--out", str(out), "--data", *data, "--steps", "40",
+            "--heads", "2", "--seq-len", "16", "--batch-size", "4", "--eval-windows", "4", "--lr", "3e-3"]
+    assert main(argv) == 0
+    return json.loads((out / "train_report.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_train_medusa_is_deterministic_and_learns(llama_target_dir: Path, tmp_path: Path) -> None:
+    data = []
+    for index, text in enumerate(CORPUS * 2):
+        path = tmp_path / f"text{index}.txt"
+        path.write_text(text * 6)
+        data.append(str(path))
+    first = _train(llama_target_dir, data, tmp_path / "a")
+    second = _train(llama_target_dir, data, tmp_path / "b")
+    weights_a = load_file(str(tmp_path / "a" / "medusa_heads.safetensors"))
+    weights_b = load_file(str(tmp_path / "b" / "medusa_heads.safetensors"))
+    assert all(torch.equal(weights_a[name], weights_b[name]) for name in weights_a)
+    assert first["held_out_accuracy"] == second["held_out_accuracy"]
+    accuracy = first["held_out_accuracy"]
+    assert isinstance(accuracy, list) and len(accuracy) == 2
+    assert all(0.0 <= head["top1"] <= head["top5"] <= 1.0 for head in accuracy)
+    loss_first, loss_last = first["loss_first"], first["loss_last"]
+    assert isinstance(loss_first, list) and isinstance(loss_last, list)
+    assert all(last < start for start, last in zip(loss_first, loss_last, strict=True))
+    heads = MedusaHeads.load(tmp_path / "a")
+    assert heads.num_heads == 2 and heads.config.vocab_size == 320
