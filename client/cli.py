@@ -15,10 +15,10 @@ from typing import Any
 
 from specwire.bench import bench, experiment
 from specwire.client.sdk import Client, GenerateResult, GenerationError, enum_names, stats_as_dict
+from specwire.target_service import train_medusa
 
 from specwire import __version__
 from specwire.extras import require
-from specwire.target_service import train_medusa
 
 # Generation flags: (flag, type, help). The SDK keyword is the flag with underscores.
 GENERATION_FLAGS: list[tuple[str, Any, str]] = [
