@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from specwire.engine import CausalLM, Engine
+from specwire.engine import CausalLM, Engine, EngineLimits
 from specwire.medusa import MedusaConfig, MedusaHeads
 from tests.harness import LoopThread, Stack, start_model_server, start_orchestrator
 
@@ -32,10 +32,11 @@ def save_random_heads(model_dir: Path, out: Path, heads: int = 3, seed: int = 0,
     return out
 
 
-def medusa_engine(model_dir: Path, heads_dir: Path) -> Engine:
+def medusa_engine(model_dir: Path, heads_dir: Path, batching: bool = True) -> Engine:
+    """`batching=False`: the `--engine hf` path (transformers' forward, a DynamicCache)."""
     lm = CausalLM.load(str(model_dir), device="cpu", dtype="float32")
     lm.attach_medusa(str(heads_dir))
-    return Engine(lm, "target")
+    return Engine(lm, "target", EngineLimits(batching=batching))
 
 
 def medusa_stack(loop: LoopThread, model_dir: Path, heads_dir: Path, draft_dir: Path) -> Stack:

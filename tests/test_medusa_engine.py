@@ -1,5 +1,6 @@
 """Tree verification in the engine: every node's logits equal a plain forward over its own path,
-and keeping a path compacts its KV so later steps equal a fresh prefill (Llama and GPT-2)."""
+and keeping a path compacts its KV so later steps equal a fresh prefill (Llama and GPT-2, on the
+batching engine and on `--engine hf`)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,15 @@ def model_and_heads(request: pytest.FixtureRequest) -> tuple[Path, Path]:
     return request.getfixturevalue(f"{request.param}_target_dir"), request.getfixturevalue(f"{request.param}_heads_dir")
 
 
-def test_tree_logits_equal_each_paths_plain_forward(model_and_heads: tuple[Path, Path]) -> None:
+@pytest.fixture(params=[True, False], ids=["batched", "hf"])
+def batching(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
+
+
+def test_tree_logits_equal_each_paths_plain_forward(model_and_heads: tuple[Path, Path], batching: bool) -> None:
     model_dir, heads_dir = model_and_heads
-    engine = medusa_engine(model_dir, heads_dir)
+    engine = medusa_engine(model_dir, heads_dir, batching)
+    assert engine.batches == batching
     reference: Any = hf_model(model_dir)
     session = engine.new_session()
     session.open(OpenRequest(PROMPT))
@@ -53,13 +60,18 @@ def test_tree_logits_equal_each_paths_plain_forward(model_and_heads: tuple[Path,
         assert torch.equal(result.medusa_ids[node].long(), heads)
 
 
-def test_kept_path_continues_like_a_fresh_prefill(model_and_heads: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("kept_node", [7, 6, 0])  # root → (0) → (0, 0) → (0, 0, 0); root → (1) → (1, 0); root
+@pytest.mark.parametrize("scored", [True, False], ids=["scored", "unscored"])
+def test_kept_path_continues_like_a_fresh_prefill(
+    model_and_heads: tuple[Path, Path], batching: bool, scored: bool, kept_node: int
+) -> None:
     model_dir, heads_dir = model_and_heads
-    engine = medusa_engine(model_dir, heads_dir)
+    engine = medusa_engine(model_dir, heads_dir, batching)
     session = engine.new_session()
     session.open(OpenRequest(PROMPT))
-    session.step(StepRequest(append_ids=NODES, tree_parents=TREE.parents, scoring=Scoring(ScoreKind.NONE)))
-    kept = tree_path(TREE.parents, 7)  # root → (0) → (0, 0) → (0, 0, 0)
+    scoring = Scoring(ScoreKind.ARGMAX, positions=len(NODES)) if scored else Scoring(ScoreKind.NONE)
+    session.step(StepRequest(append_ids=NODES, tree_parents=TREE.parents, scoring=scoring))
+    kept = tree_path(TREE.parents, kept_node)
     after = session.step(
         StepRequest(tree_keep=kept, append_ids=[3, 4], scoring=Scoring(ScoreKind.LOGITS, positions=2))
     )
