@@ -7,10 +7,11 @@ Verification", arXiv:2305.09781), multi-draft speculative sampling with one-hot 
 
 A round is ONE message to the target service: keep the last round's accepted path
 (`tree_keep`, its KV compacted), append the new tree — its root is the token the last round
-decided, its other nodes the heads' top-k along `medusa_choices` — and score every node. The
-reply carries the base distribution at every node (argmax ids when greedy) and every node's
-head proposals; the orchestrator decides with the pure functions below and builds the next
-tree from the proposals at the node where acceptance stopped. No draft service is involved.
+decided, its other nodes the heads' top-k along `medusa_choices` (`tree_topk`), which the
+service fills in by applying its heads to the hidden state it kept at the accepted path's end
+(one row, not every node) — and score every node. The reply carries the tree's ids and the
+base distribution at every node (argmax ids when greedy); the orchestrator decides with the
+pure functions below. No draft service is involved.
 
 Acceptance rules, all over the same tree (node 0 the root; children tried in node order):
 - greedy: follow the child equal to the target's argmax; output = target-only greedy, exactly;
@@ -27,7 +28,7 @@ from specwire.orchestrator.context import DecodeContext
 from specwire.orchestrator.sampling import choose
 
 from specwire.errors import FailedPrecondition
-from specwire.medusa import TreeLayout, build_tree, tree_children, tree_path, tree_tokens
+from specwire.medusa import TreeLayout, build_tree, tree_children, tree_path
 from specwire.session import OpenRequest, ScoreKind, Scores, Scoring, StepRequest
 
 # The 24 paths of top-k indices with the highest measured match rates for the demo target and its
@@ -158,11 +159,10 @@ async def medusa(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
     kind = ScoreKind.PROBS if params.do_sample else ScoreKind.ARGMAX
     target = ctx.target_session()
     with ctx.round(tree_size=1):
-        opening = Scoring(kind, positions=1, medusa_top_k=full.top_k)
+        opening = Scoring(kind, positions=1)
         result = await target.open(OpenRequest(ctx.prompt_ids, params.processing, 1, opening, ctx.trace()))
-        assert result.scores is not None and result.medusa_ids is not None
+        assert result.scores is not None
         root = choose(result.scores, 0, ctx.generator)
-        proposals = result.medusa_ids[0]  # [heads, top_k]
     history_len, produced = len(ctx.prompt_ids) + 1, 1
     decided, kept = [root], list[int]()  # kept: the last tree's accepted path, for `tree_keep`
     while True:
@@ -173,23 +173,23 @@ async def medusa(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
         # Never verify more tokens than the output can take, nor past the context.
         depth = min(remaining - 1, info.max_context - history_len)
         layout = full if depth >= full.num_heads else layout_for(choices, info.medusa_heads, depth)
-        tokens = tree_tokens(layout, root, proposals)
         with ctx.round(tree_size=layout.size) as current:
             result = await target.step(
                 StepRequest(
                     tree_keep=kept,
-                    append_ids=tokens,
+                    append_ids=[root],  # the service fills the other nodes from its heads
                     tree_parents=layout.parents,
-                    scoring=Scoring(kind, positions=layout.size, medusa_top_k=full.top_k),
+                    tree_topk=layout.topk_index.tolist(),
+                    scoring=Scoring(kind, positions=layout.size),
                     trace=ctx.trace(),
                 )
             )
-            assert result.scores is not None and result.medusa_ids is not None
+            assert result.scores is not None and result.tree_ids is not None
+            tokens = result.tree_ids.tolist()  # [n] the root, then the heads' candidates
             path, root = _decide(ctx, torch.tensor(tokens), layout.parents, result.scores)
             accepted = len(path) - 1
             current.set(drafted=layout.size - 1, accepted=accepted)
         _count(ctx, layout, path)
-        proposals = result.medusa_ids[path[-1]]  # [heads, top_k] at the accepted path's end
         kept = path
         decided = [tokens[i] for i in path[1:]] + [root]
         history_len += len(decided)

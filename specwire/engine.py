@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, cast
 
 import grpc
@@ -547,6 +547,10 @@ class EngineSession:
         # A tree appended by the last step: committed tokens before it, and its parents.
         self.tree_start: int | None = None
         self.tree_parents: list[int] = []
+        # Final hidden states kept for Medusa heads applied here (`tree_topk`): the last committed
+        # token's [hidden] (None once the tokens change), and the last tree's nodes' [n, hidden].
+        self.last_hidden: torch.Tensor | None = None
+        self.tree_hidden: torch.Tensor | None = None
 
     @property
     def num_branches(self) -> int:
@@ -566,7 +570,7 @@ class EngineSession:
         self.processing = request.processing
         prompt = torch.tensor(request.prompt_ids, dtype=torch.long).unsqueeze(0)
         self.tokens = prompt.expand(request.num_branches, -1).clone()
-        self.tree_start = None
+        self.tree_start, self.last_hidden, self.tree_hidden = None, None, None
         self.kv.open(request.num_branches)
         return self._finish(request.scoring, 0, False, 0, 0.0)
 
@@ -602,6 +606,8 @@ class EngineSession:
             raise InvalidArgument("tree_parents", "tree verification needs exactly one branch")
         if request.propose:
             raise InvalidArgument("propose", "cannot be combined with tree_parents")
+        if request.tree_topk:
+            request = replace(request, append_ids=self._medusa_tree(request))
         if len(request.tree_parents) != len(request.append_ids):
             raise InvalidArgument(
                 "tree_parents", f"has {len(request.tree_parents)} entries for {len(request.append_ids)} append_ids"
@@ -626,7 +632,34 @@ class EngineSession:
         start = self.length
         self.tokens = torch.cat([self.tokens, torch.tensor([request.append_ids], dtype=torch.long)], dim=1)
         self.tree_start, self.tree_parents = start, list(request.tree_parents)
+        self.last_hidden, self.tree_hidden = None, None  # the nodes are not committed; scoring fills tree_hidden
         return self._finish(request.scoring, 0, False, 0, 0.0, tree=self.tree_parents)
+
+    def _medusa_tree(self, request: StepRequest) -> list[int]:
+        """`tree_topk`: the root, then node i's `tree_topk[i-1]`-th best id of head depth(i) − 1,
+        the heads applied to the last committed token's kept hidden state (one row)."""
+        parents, topk = request.tree_parents, request.tree_topk
+        if self.lm.medusa is None:
+            raise InvalidArgument("tree_topk", "this service has no Medusa heads (--medusa)")
+        if len(request.append_ids) != 1 or len(topk) != len(parents) - 1:
+            raise InvalidArgument(
+                "tree_topk", f"needs the root alone in append_ids and {len(parents) - 1} entries, one per other node"
+            )
+        if any(not 0 <= k < self.lm.vocab_size for k in topk):
+            raise InvalidArgument("tree_topk", f"entries must be in [0, {self.lm.vocab_size})")
+        try:
+            heads = [depth - 1 for depth in tree_depths(parents)[1:]]  # [n−1] the head proposing each node
+        except ValueError as error:
+            raise InvalidArgument("tree_parents", str(error)) from None
+        if heads and not 0 <= min(heads) <= max(heads) < self.lm.medusa.num_heads:
+            raise InvalidArgument("tree_parents", f"one root, at most {self.lm.medusa.num_heads} levels below it (the heads)")
+        if self.last_hidden is None:
+            raise InvalidArgument("tree_topk", "no hidden state at the last committed token: score it (or keep a scored tree's path) first")
+        with torch.inference_mode():
+            head_logits = self.lm.medusa(self.last_hidden[None])[0]  # [heads, vocab]
+        top = head_logits.topk(max(topk, default=0) + 1, dim=-1).indices.cpu()  # [heads, top_k]
+        built = top[torch.tensor(heads, dtype=torch.long), torch.tensor(topk, dtype=torch.long)]  # [n−1]
+        return [*request.append_ids, *built.tolist()]
 
     def _keep_tree(self, nodes: list[int]) -> None:
         """Keep one root-to-node path of the last tree: its KV moves to contiguous positions."""
@@ -639,6 +672,8 @@ class EngineSession:
         source = torch.tensor(nodes, dtype=torch.long) + start  # [m] positions of the kept nodes
         self.tokens = torch.cat([self.tokens[:, :start], self.tokens[:, source]], dim=1)
         self.kv.keep_path(start, nodes)  # node indices ascend along a path: parents precede children
+        self.last_hidden = self.tree_hidden[nodes[-1]] if self.tree_hidden is not None else None
+        self.tree_hidden = None
 
     def set_deadline(self, seconds: float) -> None:
         """The caller's deadline is `seconds` away (the servicer says so before `open`)."""
@@ -661,6 +696,7 @@ class EngineSession:
         if not 1 <= keep <= self.length:
             raise InvalidArgument("keep_tokens", f"must be in [1, {self.length}], got {keep}")
         self.tokens = self.tokens[:, :keep]
+        self.last_hidden = None
         if self.kv.cached > keep:
             self.kv.crop(keep)
 
@@ -669,6 +705,7 @@ class EngineSession:
             raise InvalidArgument("branch_order", f"indices must be in [0, {self.num_branches}), at most {MAX_BRANCHES}")
         self.kv.reorder(order)
         self.tokens = self.tokens.index_select(0, torch.tensor(order, dtype=torch.long))
+        self.last_hidden = None
 
     def _append(self, ids: list[int]) -> None:
         if len(ids) % self.num_branches:
@@ -678,6 +715,7 @@ class EngineSession:
         self._check_length(self.length + per_branch, "append_ids")
         new = torch.tensor(ids, dtype=torch.long).view(self.num_branches, per_branch)
         self.tokens = torch.cat([self.tokens, new], dim=1)
+        self.last_hidden = None
 
     # -- forward passes ------------------------------------------------------------------
 
@@ -717,7 +755,9 @@ class EngineSession:
             raise InvalidArgument("scoring.positions", f"must be in [1, {self.length}], got {positions}")
         score_ids = self._score_ids(scoring)  # checked before paying for a forward pass
         medusa_ids = None
-        if scoring.medusa_top_k or tree:
+        # One branch on a service with heads keeps the hidden states (for `tree_topk`) too.
+        keep_hidden = self.lm.medusa is not None and self.num_branches == 1 and not more
+        if scoring.medusa_top_k or tree or keep_hidden:
             if self.lm.medusa is None and scoring.medusa_top_k:
                 raise InvalidArgument("scoring.medusa_top_k", "this service has no Medusa heads (--medusa)")
             if self.num_branches != 1:
@@ -725,6 +765,10 @@ class EngineSession:
             if not 0 <= scoring.medusa_top_k <= self.lm.vocab_size:
                 raise InvalidArgument("scoring.medusa_top_k", f"must be in [0, {self.lm.vocab_size}]")
             logits, hidden = self._forward_tree(positions, tree)  # [1, positions, vocab], [positions, hidden]
+            if tree:
+                self.tree_hidden = hidden  # [nodes, hidden]
+            else:
+                self.last_hidden = hidden[-1]  # the scored positions end at the last token
             if scoring.medusa_top_k and self.lm.medusa is not None:
                 with torch.inference_mode():
                     head_logits = self.lm.medusa(hidden)  # [positions, heads, vocab]
@@ -784,6 +828,7 @@ class EngineSession:
 
     def _propose(self, count: int, greedy: bool, seed: int, min_confidence: float) -> tuple[torch.Tensor, Scores | None]:
         """Draw up to `count` tokens per branch; the last drawn token stays pending."""
+        self.last_hidden = None
         generator = None
         if not greedy:
             generator = torch.Generator(device=self.lm.device)
@@ -820,6 +865,7 @@ class EngineSession:
     ) -> StepResult:
         calls_before = self.forward_calls
         scores, medusa_ids = self._score(scoring, more=propose > 0, tree=tree)
+        tree_ids = self.tokens[0, -len(tree) :].to(torch.int32) if tree else None
         proposed, proposal_scores = None, None
         if propose > 0:
             self._check_length(self.length + propose, "propose")
@@ -834,4 +880,5 @@ class EngineSession:
             num_tokens=self.length,
             timing=ServerTiming(forward_calls=self.forward_calls - calls_before),
             medusa_ids=medusa_ids,
+            tree_ids=tree_ids,
         )

@@ -64,6 +64,7 @@ class StepRequest:
     propose_min_confidence: float = 0.0
     tree_parents: list[int] = field(default_factory=list)
     tree_keep: list[int] = field(default_factory=list)  # the previous tree's kept root-to-node path
+    tree_topk: list[int] = field(default_factory=list)  # Medusa heads applied here: node i+1's top-k index
     trace: dict[str, str] | None = None
 
 
@@ -112,6 +113,7 @@ class StepResult:
     num_tokens: int = 0
     timing: ServerTiming = field(default_factory=ServerTiming)
     medusa_ids: torch.Tensor | None = None  # [rows, heads, medusa_top_k]
+    tree_ids: torch.Tensor | None = None  # [n] the nodes the service built (`tree_topk`)
 
 
 @dataclass(frozen=True)

@@ -175,6 +175,7 @@ def step_to_pb(request: StepRequest) -> model_pb2.SessionRequest:
         propose_min_confidence=request.propose_min_confidence,
         tree_parents=request.tree_parents,
         tree_keep=request.tree_keep,
+        tree_topk=request.tree_topk,
         trace=_trace_to_pb(request.trace),
     )
     if request.keep_tokens is not None:
@@ -204,6 +205,7 @@ def step_from_pb(message: model_pb2.Step) -> StepRequest:
         propose_min_confidence=message.propose_min_confidence,
         tree_parents=list(message.tree_parents),
         tree_keep=list(message.tree_keep),
+        tree_topk=list(message.tree_topk),
         trace=_trace_from_pb(message.trace),
     )
 
@@ -225,6 +227,8 @@ def result_to_pb(result: StepResult) -> model_pb2.SessionReply:
         reply.proposal_scores.CopyFrom(scores_to_pb(result.proposal_scores))
     if result.medusa_ids is not None:
         reply.medusa_ids.CopyFrom(tensor_to_pb(result.medusa_ids.to(torch.int32)))
+    if result.tree_ids is not None:
+        reply.tree_ids.CopyFrom(tensor_to_pb(result.tree_ids.to(torch.int32)))
     return reply
 
 
@@ -235,6 +239,7 @@ def result_from_pb(reply: model_pb2.SessionReply) -> StepResult:
         proposal_scores=scores_from_pb(reply.proposal_scores) if reply.HasField("proposal_scores") else None,
         num_tokens=reply.num_tokens,
         medusa_ids=tensor_from_pb(reply.medusa_ids) if reply.HasField("medusa_ids") else None,
+        tree_ids=tensor_from_pb(reply.tree_ids) if reply.HasField("tree_ids") else None,
         timing=ServerTiming(
             queue_us=reply.timing.queue_us,
             compute_us=reply.timing.compute_us,

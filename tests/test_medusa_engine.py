@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from specwire.errors import InvalidArgument
-from specwire.medusa import build_tree, tree_path
+from specwire.engine import CausalLM, Engine
+from specwire.medusa import build_tree, tree_path, tree_tokens
 from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
 from tests.conftest import hf_model
 from tests.medusa_tiny import medusa_engine
@@ -97,3 +98,50 @@ def test_bad_trees_are_refused(llama_target_dir: Path, llama_heads_dir: Path) ->
     session.step(StepRequest(append_ids=NODES, tree_parents=TREE.parents))
     with pytest.raises(InvalidArgument, match="tree_keep"):
         session.step(StepRequest(tree_keep=[0, 2, 4]))  # 4's parent is 1, not 2
+
+
+def test_tree_topk_builds_the_heads_tree_at_the_kept_node(model_and_heads: tuple[Path, Path], batching: bool) -> None:
+    """Heads applied by the service at the last committed token (one row) give the tree the
+    orchestrator would build from `medusa_ids` of every node."""
+    engine = medusa_engine(*model_and_heads, batching)
+    reference = engine.new_session().open(OpenRequest(PROMPT, scoring=Scoring(ScoreKind.ARGMAX, 1, medusa_top_k=3)))
+    assert reference.medusa_ids is not None
+    session = engine.new_session()
+    session.open(OpenRequest(PROMPT, scoring=Scoring(ScoreKind.ARGMAX, positions=1)))
+    topk = TREE.topk_index.tolist()
+    first = session.step(
+        StepRequest(
+            append_ids=[11],
+            tree_parents=TREE.parents,
+            tree_topk=topk,
+            scoring=Scoring(ScoreKind.ARGMAX, positions=TREE.size, medusa_top_k=3),
+        )
+    )
+    assert first.tree_ids is not None and first.medusa_ids is not None
+    assert first.tree_ids.tolist() == tree_tokens(TREE, 11, reference.medusa_ids[0])
+    kept = tree_path(TREE.parents, 4)  # root → (0) → (0, 1)
+    second = session.step(
+        StepRequest(tree_keep=kept, append_ids=[7], tree_parents=TREE.parents, tree_topk=topk, scoring=Scoring(ScoreKind.ARGMAX, positions=TREE.size))
+    )
+    assert second.tree_ids is not None
+    assert second.tree_ids.tolist() == tree_tokens(TREE, 7, first.medusa_ids[4])
+
+
+def test_tree_topk_needs_heads_and_a_scored_last_token(
+    llama_target_dir: Path, llama_heads_dir: Path
+) -> None:
+    engine = medusa_engine(llama_target_dir, llama_heads_dir)
+    session = engine.new_session()
+    session.open(OpenRequest(PROMPT))  # not scored: no hidden state kept
+    tree = {"append_ids": [11], "tree_parents": TREE.parents, "tree_topk": TREE.topk_index.tolist()}
+    with pytest.raises(InvalidArgument, match="^tree_topk: no hidden state"):
+        session.step(StepRequest(**tree))  # type: ignore[arg-type]
+    session.step(StepRequest(scoring=Scoring(ScoreKind.ARGMAX, positions=1)))
+    with pytest.raises(InvalidArgument, match="^tree_topk: needs the root alone"):
+        session.step(StepRequest(**(tree | {"append_ids": [11, 12]})))  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="^tree_parents: one root"):
+        session.step(StepRequest(append_ids=[11], tree_parents=[-1, 0, 1, 2, 3], tree_topk=[0, 0, 0, 0]))
+    plain = Engine(CausalLM.load(str(llama_target_dir), device="cpu", dtype="float32"), "target").new_session()
+    plain.open(OpenRequest(PROMPT, scoring=Scoring(ScoreKind.ARGMAX, positions=1)))
+    with pytest.raises(InvalidArgument, match="^tree_topk: this service has no Medusa heads"):
+        plain.step(StepRequest(**tree))  # type: ignore[arg-type]
