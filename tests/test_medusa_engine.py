@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from specwire.errors import InvalidArgument
 from specwire.engine import CausalLM, Engine
+from specwire.errors import InvalidArgument
 from specwire.medusa import build_tree, tree_path, tree_tokens
 from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
 from tests.conftest import hf_model
