@@ -124,6 +124,8 @@ class Decoder:
         names = [name for name in STRATEGIES if draft_ok or name not in DRAFT_STRATEGIES]
         if self.draft is not None and "ngram" in self.draft.info.capabilities:
             names = [name for name in names if name != "contrastive"]
+        if "medusa" not in self.target.info.capabilities:  # no heads on the target
+            names = [name for name in names if name != "medusa"]
         return sorted(names)
 
     def _check_available(self, strategy: str) -> None:

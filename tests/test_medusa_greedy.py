@@ -76,6 +76,7 @@ def test_info_lists_medusa_with_the_head_count(llama_medusa_stack: Stack, llama_
         plain = model_pb2_grpc.ModelServiceStub(channel).Info(model_pb2.InfoRequest())
     assert "medusa" not in plain.capabilities and plain.medusa_heads == 0
     assert "medusa" in Client(llama_medusa_stack.address).info().strategies
+    assert "medusa" not in Client(llama_stack.address).info().strategies  # no heads, no medusa
 
 
 def test_round_statistics_add_up(llama_medusa_stack: Stack) -> None:
