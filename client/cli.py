@@ -47,7 +47,20 @@ def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: i
         parser.add_argument("--drafter", default="model", choices=["model", "ngram"])
         parser.add_argument("--ngram-max", type=int, default=3, help="n-gram drafter: longest n-gram to match")
         parser.add_argument("--ngram-min", type=int, default=1, help="n-gram drafter: shortest n-gram to match")
+    _add_server_tls_flags(parser)
     _add_telemetry_flags(parser)
+
+
+def _add_server_tls_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-cert", help="serve TLS with this certificate (PEM; with --tls-key)")
+    parser.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    parser.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
+
+
+def _add_client_tls_flags(parser: argparse.ArgumentParser, prefix: str = "", whom: str = "the server") -> None:
+    parser.add_argument(f"--{prefix}tls-ca", help=f"TLS to {whom}, trusting this CA (PEM)")
+    parser.add_argument(f"--{prefix}tls-cert", help=f"client certificate to present to {whom} (mutual TLS)")
+    parser.add_argument(f"--{prefix}tls-key", help="the client certificate's private key")
 
 
 def _add_telemetry_flags(parser: argparse.ArgumentParser) -> None:
@@ -82,8 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_service_flags(roles.add_parser("draft", help="the draft model service"), "draft", 50052)
     _add_model_service_flags(roles.add_parser("target", help="the target model service"), "target", 50053)
     orch = roles.add_parser("orchestrator", help="the public Generate API")
-    orch.add_argument("--target", default="127.0.0.1:50053", help="target service address")
-    orch.add_argument("--draft", default="127.0.0.1:50052", help="draft service address ('none' for no draft)")
+    orch.add_argument(
+        "--target", default="127.0.0.1:50053",
+        help="target replicas: host:port[,host:port…]; a DNS name stands for all its addresses",
+    )
+    orch.add_argument("--draft", default="127.0.0.1:50052", help="draft replicas, as --target ('none' for no draft)")
+    orch.add_argument(
+        "--failover-timeout", type=float, default=5.0,
+        help="seconds a session lost with its replica may take to be rebuilt on another before UNAVAILABLE",
+    )
+    orch.add_argument("--auth-token-file", help="accept only calls with `authorization: Bearer <a line of FILE>`")
+    _add_server_tls_flags(orch)
+    _add_client_tls_flags(orch, "services-", "the model services")
     orch.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the target's)")
     orch.add_argument("--host", default="127.0.0.1")
     orch.add_argument("--port", type=int, default=50051)
@@ -106,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stream", action="store_true", help="print text as it is generated")
     generate.add_argument("--json", action="store_true", help="print the result as JSON")
     generate.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
+    _add_client_tls_flags(generate, "", "the orchestrator")
+    generate.add_argument("--token-file", help="send the first line of FILE as the bearer token")
 
     demo = commands.add_parser("demo", help="start the services on the demo pair, generate, stop")
     _add_stack_flags(demo)
@@ -182,11 +207,33 @@ def _print_result(result: GenerateResult, as_json: bool) -> None:
     )
 
 
+def read_token(path: str) -> str:
+    """The first non-blank, non-comment line of a token file."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as error:
+        raise SystemExit(f"--token-file: cannot read {path}: {error.strerror}") from None
+    for line in lines:
+        if line.strip() and not line.lstrip().startswith("#"):
+            return line.strip()
+    raise SystemExit(f"--token-file: {path} holds no token")
+
+
+def client_security(args: argparse.Namespace) -> dict[str, Any]:
+    """SDK keywords for TLS and the bearer token from `--tls-*` / `--token-file`."""
+    from specwire.security import client_tls
+
+    tls = client_tls(args.tls_ca, args.tls_cert, args.tls_key)
+    token = read_token(args.token_file) if args.token_file else None
+    return {"tls_ca": tls.ca if tls else None, "tls_cert": tls.cert if tls else None,
+            "tls_key": tls.key if tls else None, "token": token}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     kwargs = generation_kwargs(args)
     if args.prompt_ids is not None:
         kwargs["prompt_ids"] = _parse_ids(args.prompt_ids)
-    with Client(args.address, timeout=args.timeout) as client:
+    with Client(args.address, timeout=args.timeout, **client_security(args)) as client:
         if args.stream and not args.json:
             last = None
             for delta in client.stream(args.prompt, **kwargs):
@@ -296,6 +343,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from specwire.config import ModelServiceConfig, OrchestratorConfig
+    from specwire.security import client_tls, server_tls
+
+    tls = server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
 
     if args.role == "orchestrator":
         from specwire.orchestrator.server import main as serve_orchestrator
@@ -309,7 +359,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 port=args.port,
                 max_new_tokens_limit=args.max_new_tokens_limit,
                 max_tokens_per_round=args.max_tokens_per_round,
+                failover_timeout_s=args.failover_timeout,
                 telemetry=_telemetry_config(args),
+                tls=tls,
+                services_tls=client_tls(args.services_tls_ca, args.services_tls_cert, args.services_tls_key),
+                auth_token_file=args.auth_token_file,
             )
         )
         return 0
@@ -325,6 +379,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ngram_max=getattr(args, "ngram_max", 3),
         ngram_min=getattr(args, "ngram_min", 1),
         telemetry=_telemetry_config(args),
+        tls=tls,
     )
     if args.role == "draft":
         from specwire.draft_service.server import main as serve_draft

@@ -74,6 +74,7 @@ class CallStats:
     queue_ms: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    rebuilds: int = 0  # sessions rebuilt on another replica after theirs failed
     # Shared by the services of one generation (`RunStats` links them).
     clock: WaitClock = field(default_factory=WaitClock)
 

@@ -11,10 +11,10 @@ import grpc
 from opentelemetry.trace import SpanKind
 from specwire.orchestrator.context import BeamSequence
 from specwire.orchestrator.generation import STRATEGIES, Decoder, Delta, Result
-from specwire.orchestrator.models import RemoteModel
+from specwire.orchestrator.replicas import ReplicaCollector, ReplicaSet
 from specwire.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
-from specwire import serving, telemetry
+from specwire import security, serving, telemetry
 from specwire.config import OrchestratorConfig
 from specwire.engine import load_tokenizer
 from specwire.errors import FailedPrecondition, StatusError
@@ -59,6 +59,17 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def __init__(self, decoder: Decoder) -> None:
         self.decoder = decoder
 
+    def _replicas_pb(self) -> list[orchestrator_pb2.Replica]:
+        handles = [self.decoder.target, self.decoder.draft]
+        return [
+            orchestrator_pb2.Replica(
+                role=r.role, address=r.address, state=r.state, active_sessions=r.active_sessions,
+                sessions_opened=r.sessions_opened, failures=r.failures,
+            )
+            for handle in handles if isinstance(handle, ReplicaSet)
+            for r in handle.states()
+        ]
+
     async def Generate(
         self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> orchestrator_pb2.GenerateResponse:
@@ -102,6 +113,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             strategies=sorted(STRATEGIES),
             draft_capabilities=draft.capabilities if draft else [],
             target_capabilities=target.capabilities,
+            replicas=self._replicas_pb(),
         )
 
 
@@ -110,10 +122,12 @@ async def build_decoder(
     tracing: telemetry.Tracing | None = None,
     metrics: OrchestratorMetrics | None = None,
 ) -> Decoder:
-    """Connect to the services, load the tokenizer, check they agree."""
-    connecting = [RemoteModel.connect(config.target, "target", config.connect_timeout_s)]
+    """Connect to every replica of the services, load the tokenizer, check they agree."""
+    timeout, tls, failover = config.connect_timeout_s, config.services_tls, config.failover_timeout_s
+    connecting = [ReplicaSet.connect(config.target, "target", timeout, tls, failover)]
     if config.draft:
-        connecting.append(RemoteModel.connect(config.draft, "draft", config.connect_timeout_s))
+        # Speculative decoding goes on target-only when no draft replica is left.
+        connecting.append(ReplicaSet.connect(config.draft, "draft", timeout, tls, failover, optional=True))
     models = await asyncio.gather(*connecting)
     target, draft = models[0], models[1] if len(models) > 1 else None
     for model in models:
@@ -142,15 +156,22 @@ async def run(config: OrchestratorConfig) -> None:
     metrics = OrchestratorMetrics() if observe.metrics_port else None
     try:
         decoder = await build_decoder(config, tracing, metrics)
-    except StatusError as error:
-        print(f"orchestrator refuses to start: {error.message}", file=sys.stderr, flush=True)
+    except (StatusError, ValueError) as error:
+        message = error.message if isinstance(error, StatusError) else str(error)
+        print(f"orchestrator refuses to start: {message}", file=sys.stderr, flush=True)
         raise SystemExit(2) from error
+    if metrics is not None:
+        handles = [decoder.target, decoder.draft]
+        metrics.registry.register(ReplicaCollector([h for h in handles if isinstance(h, ReplicaSet)]))
     servicer = OrchestratorServicer(decoder)
+    interceptors = [security.TokenAuth(security.TokenFile(config.auth_token_file))] if config.auth_token_file else []
 
     def register(server: grpc.aio.Server) -> None:
         orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, server)
 
-    running = await serving.start_server(register, [SERVICE_NAME], config.host, config.port)
+    running = await serving.start_server(
+        register, [SERVICE_NAME], config.host, config.port, interceptors=interceptors, tls=config.tls
+    )
 
     metrics_server = serve_metrics(metrics.registry, config.host, observe.metrics_port) if metrics else None
 

@@ -17,6 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specwire.security import ServerTLS
+
 log = logging.getLogger("specwire")
 
 # Messages carry dense distributions (vocab × positions × 4 bytes); 64 MiB covers a 256k vocab
@@ -49,15 +51,20 @@ async def start_server(
     host: str,
     port: int,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    tls: ServerTLS | None = None,
 ) -> RunningServer:
-    """Bind, register the services plus health and reflection, start. Health starts NOT_SERVING."""
+    """Bind, register the services plus health and reflection, start. Health starts NOT_SERVING.
+    With `tls`, the port speaks only TLS (mutual TLS when `tls.client_ca` is set)."""
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names) + [health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", tls.credentials())
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     await server.start()
