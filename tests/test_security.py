@@ -1,0 +1,189 @@
+"""Mutual TLS on every hop and bearer tokens on the public API, on real loopback sockets.
+
+One private CA signs the services' certificates (as `specwire up --tls` makes them); a second
+CA stands for an outsider. Every path without the right certificate or token is refused; health
+stays open.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from specwire.client import Client, GenerationError
+from specwire.orchestrator.replicas import ReplicaSet
+from specwire.orchestrator.server import SERVICE_NAME as ORCHESTRATOR_SERVICE
+from specwire.orchestrator.server import OrchestratorServicer, build_decoder
+from specwire.v1 import model_pb2_grpc, orchestrator_pb2_grpc
+
+from specwire import serving
+from specwire.config import OrchestratorConfig
+from specwire.errors import Unavailable
+from specwire.model_service import SERVICE_NAME as MODEL_SERVICE
+from specwire.model_service import ModelServicer
+from specwire.security import ClientTLS, ServerTLS, TokenAuth, TokenFile, make_certificates
+from tests.conftest import load_engine
+from tests.harness import LoopThread
+
+TOKEN = "s3cret-token-for-tests"
+
+
+@dataclass
+class SecureStack:
+    ours: dict[str, tuple[Path, Path]]
+    theirs: dict[str, tuple[Path, Path]]
+    ca: Path
+    other_ca: Path
+    token_file: Path
+    orchestrator: str
+    target: str
+    draft: str
+    servers: list[serving.RunningServer]
+
+    def tls(self, name: str, ca: Path | None = None) -> ClientTLS:
+        cert, key = self.ours[name]
+        return ClientTLS(str(ca or self.ca), str(cert), str(key))
+
+
+def _server_tls(issued: dict[str, tuple[Path, Path]], name: str, ca: Path) -> ServerTLS:
+    cert, key = issued[name]
+    return ServerTLS(str(cert), str(key), str(ca))
+
+
+@pytest.fixture(scope="module")
+def secure(loop: LoopThread, tmp_path_factory: pytest.TempPathFactory, llama_target_dir: Path, llama_draft_dir: Path) -> Iterator[SecureStack]:
+    ours_dir, theirs_dir = tmp_path_factory.mktemp("pki"), tmp_path_factory.mktemp("other-pki")
+    ours, theirs = make_certificates(ours_dir), make_certificates(theirs_dir)
+    ca = ours_dir / "ca.pem"
+    token_file = ours_dir / "tokens"
+    token_file.write_text(f"# one per line\n{TOKEN}\n")
+
+    async def start() -> tuple[list[serving.RunningServer], dict[str, str]]:
+        servers, addresses = [], {}
+        for role, model_dir in (("target", llama_target_dir), ("draft", llama_draft_dir)):
+            servicer = ModelServicer(load_engine(model_dir, role))
+
+            def register(server: grpc.aio.Server, servicer: ModelServicer = servicer) -> None:
+                model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, server)
+
+            running = await serving.start_server(register, [MODEL_SERVICE], "127.0.0.1", 0, tls=_server_tls(ours, role, ca))
+            await serving.mark_serving(running, [MODEL_SERVICE])
+            servers.append(running)
+            addresses[role] = f"127.0.0.1:{running.port}"
+        cert, key = ours["orchestrator"]
+        config = OrchestratorConfig(
+            target=addresses["target"], draft=addresses["draft"], tokenizer=str(llama_target_dir), connect_timeout_s=10.0,
+            services_tls=ClientTLS(str(ca), str(cert), str(key)),
+        )
+        servicer = OrchestratorServicer(await build_decoder(config))
+
+        def register_orchestrator(server: grpc.aio.Server) -> None:
+            orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, server)
+
+        running = await serving.start_server(
+            register_orchestrator, [ORCHESTRATOR_SERVICE], "127.0.0.1", 0,
+            interceptors=[TokenAuth(TokenFile(str(token_file)))], tls=_server_tls(ours, "orchestrator", ca),
+        )
+        await serving.mark_serving(running, [ORCHESTRATOR_SERVICE])
+        servers.append(running)
+        addresses["orchestrator"] = f"127.0.0.1:{running.port}"
+        return servers, addresses
+
+    servers, addresses = loop.run(start())
+    yield SecureStack(
+        ours, theirs, ca, theirs_dir / "ca.pem", token_file,
+        addresses["orchestrator"], addresses["target"], addresses["draft"], servers,
+    )
+    for running in servers:
+        loop.run(running.server.stop(0))
+
+
+def client(stack: SecureStack, token: str | None = TOKEN) -> Client:
+    """A client with our CA's client certificate and `token`."""
+    cert, key = stack.ours["client"]
+    return Client(stack.orchestrator, timeout=30, tls_ca=str(stack.ca), tls_cert=str(cert), tls_key=str(key), token=token)
+
+
+def test_mutual_tls_on_every_hop_serves_a_speculative_generation(secure: SecureStack) -> None:
+    with client(secure) as c:
+        result = c.generate(prompt="def", strategy="speculative", max_new_tokens=8, ignore_eos=True)
+        assert len(result.token_ids) == 8 and result.stats.drafted_tokens > 0  # orchestrator → draft and → target
+        assert {(r.role, r.state) for r in c.info().replicas} == {("target", "serving"), ("draft", "serving")}
+
+
+def test_a_client_without_a_certificate_is_refused(secure: SecureStack) -> None:
+    with Client(secure.orchestrator, timeout=10, tls_ca=str(secure.ca), token=TOKEN) as c:
+        with pytest.raises(GenerationError) as refused:
+            c.generate(prompt="def", max_new_tokens=2)
+    assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_client_with_another_cas_certificate_is_refused(secure: SecureStack) -> None:
+    cert, key = secure.theirs["client"]
+    with Client(secure.orchestrator, timeout=10, tls_ca=str(secure.ca), tls_cert=str(cert), tls_key=str(key), token=TOKEN) as c:
+        with pytest.raises(GenerationError) as refused:
+            c.generate(prompt="def", max_new_tokens=2)
+    assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_plaintext_client_is_refused(secure: SecureStack) -> None:
+    with Client(secure.orchestrator, timeout=10, token=TOKEN) as c, pytest.raises(GenerationError) as refused:
+        c.generate(prompt="def", max_new_tokens=2)
+    assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("who", ["no certificate", "another CA's certificate", "plaintext"])
+def test_the_model_services_refuse_an_orchestrator_without_our_certificate(loop: LoopThread, secure: SecureStack, who: str) -> None:
+    cert, key = secure.theirs["orchestrator"]
+    tls = {
+        "no certificate": ClientTLS(str(secure.ca)),
+        "another CA's certificate": ClientTLS(str(secure.ca), str(cert), str(key)),
+        "plaintext": None,
+    }[who]
+    for address in (secure.target, secure.draft):
+        with pytest.raises(Unavailable, match="no replica .* answered"):
+            loop.run(ReplicaSet.connect(address, "target", 1.5, tls))
+
+
+def test_a_service_certificate_from_another_ca_is_not_trusted(loop: LoopThread, secure: SecureStack) -> None:
+    """The orchestrator trusts only its CA: a service it cannot verify is never used."""
+    with pytest.raises(Unavailable, match="no replica .* answered"):
+        loop.run(ReplicaSet.connect(secure.target, "target", 1.5, secure.tls("orchestrator", secure.other_ca)))
+
+
+def test_tokens_are_required_and_health_stays_open(secure: SecureStack, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    for token, problem in ((None, "missing"), ("wrong-token", "not accepted")):
+        with client(secure, token=token) as c:
+            assert c.health() == "SERVING"
+            with pytest.raises(GenerationError) as refused:
+                c.generate(prompt="def", max_new_tokens=2)
+            assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+            assert refused.value.message.startswith("authorization:") and problem in refused.value.message
+            with pytest.raises(GenerationError) as streamed:
+                list(c.stream(prompt="def", max_new_tokens=2))
+            assert streamed.value.code == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as info:
+                c.info()
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+    with client(secure) as c:
+        assert c.health() == "SERVING"
+        assert len(c.generate(prompt="def", max_new_tokens=2, ignore_eos=True).token_ids) == 2
+    assert all(TOKEN not in record.getMessage() and "wrong-token" not in record.getMessage() for record in caplog.records)
+
+
+def test_the_token_file_is_reread_when_it_changes(secure: SecureStack) -> None:
+    original = secure.token_file.read_text()
+    try:
+        secure.token_file.write_text("rotated-token\n")
+        with client(secure) as c, pytest.raises(GenerationError) as refused:
+            c.generate(prompt="def", max_new_tokens=2)
+        assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with client(secure, token="rotated-token") as c:
+            assert len(c.generate(prompt="def", max_new_tokens=2, ignore_eos=True).token_ids) == 2
+    finally:
+        secure.token_file.write_text(original)
