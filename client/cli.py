@@ -162,6 +162,12 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rtt-ms", type=float, default=0.0, help="emulated round trip to each model service (delay proxy)")
     parser.add_argument("--jitter-ms", type=float, default=0.0, help="± uniform jitter on each one-way delay")
     parser.add_argument("--bandwidth-mbps", type=float, default=0.0, help="per-direction bandwidth cap (0 = none)")
+    parser.add_argument("--target-replicas", type=int, default=1, help="target replicas (the 2nd on port+5, then +6, …)")
+    parser.add_argument(
+        "--tls", metavar="DIR",
+        help="mutual TLS between the services: a private CA and certificates made in DIR (reused if there)",
+    )
+    parser.add_argument("--auth-token-file", help="the orchestrator accepts only these bearer tokens (one per line)")
 
 
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
@@ -274,6 +280,9 @@ def _stack_config(args: argparse.Namespace) -> Any:
         rtt_ms=args.rtt_ms,
         jitter_ms=args.jitter_ms,
         bandwidth_mbps=args.bandwidth_mbps,
+        target_replicas=args.target_replicas,
+        tls_dir=str(Path(args.tls).resolve()) if args.tls else None,
+        auth_token_file=str(Path(args.auth_token_file).resolve()) if args.auth_token_file else None,
     )
 
 
@@ -292,7 +301,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     c = stack.config
     print(f"orchestrator  {c.address}")
     print(f"draft         {c.host}:{c.draft_port}")
-    print(f"target        {c.host}:{c.target_port}")
+    print(f"target        {', '.join(f'{c.host}:{port}' for port in c.target_ports)}")
+    if c.tls_dir:
+        print(f"mutual TLS    between the services; CA and certificates in {c.tls_dir}")
+    if c.auth_token_file:
+        print(f"auth          bearer tokens from {c.auth_token_file} (specwire generate --token-file FILE)")
     if c.proxied:
         print(f"delay proxies draft {c.host}:{c.draft_proxy_port}, target {c.host}:{c.target_proxy_port} "
               f"(RTT {c.rtt_ms:g} ms ± {c.jitter_ms:g}, {c.bandwidth_mbps or '∞'} Mbit/s)")

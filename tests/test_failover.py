@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
-from specwire.client import Client
+from specwire.client import Client, GenerationError
 from specwire.client.launcher import free_base_port
 from specwire.orchestrator.replicas import ReplicaSet, split_addresses
 
@@ -203,8 +204,10 @@ def test_draft_loss_falls_back_to_target_only_rounds(
         after = client.generate(prompt=PROMPTS[0], **params)
         assert after.token_ids == expected.token_ids
         assert after.stats.drafted_tokens == 0 and after.stats.rounds == after.stats.new_tokens
-        contrastive = pytest.raises(Exception, client.generate, prompt=PROMPTS[0], strategy="contrastive", max_new_tokens=4)
-        assert "draft service unavailable" in str(contrastive.value)
+        with pytest.raises(GenerationError) as contrastive:
+            client.generate(prompt=PROMPTS[0], strategy="contrastive", max_new_tokens=4)
+        assert contrastive.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "draft service unavailable" in contrastive.value.message
 
 
 def test_addresses_split_on_commas() -> None:

@@ -116,17 +116,16 @@ def test_mutual_tls_on_every_hop_serves_a_speculative_generation(secure: SecureS
 
 
 def test_a_client_without_a_certificate_is_refused(secure: SecureStack) -> None:
-    with Client(secure.orchestrator, timeout=10, tls_ca=str(secure.ca), token=TOKEN) as c:
-        with pytest.raises(GenerationError) as refused:
-            c.generate(prompt="def", max_new_tokens=2)
+    with Client(secure.orchestrator, timeout=10, tls_ca=str(secure.ca), token=TOKEN) as c, pytest.raises(GenerationError) as refused:
+        c.generate(prompt="def", max_new_tokens=2)
     assert refused.value.code == grpc.StatusCode.UNAVAILABLE
 
 
 def test_a_client_with_another_cas_certificate_is_refused(secure: SecureStack) -> None:
     cert, key = secure.theirs["client"]
-    with Client(secure.orchestrator, timeout=10, tls_ca=str(secure.ca), tls_cert=str(cert), tls_key=str(key), token=TOKEN) as c:
-        with pytest.raises(GenerationError) as refused:
-            c.generate(prompt="def", max_new_tokens=2)
+    c = Client(secure.orchestrator, timeout=10, tls_ca=str(secure.ca), tls_cert=str(cert), tls_key=str(key), token=TOKEN)
+    with c, pytest.raises(GenerationError) as refused:
+        c.generate(prompt="def", max_new_tokens=2)
     assert refused.value.code == grpc.StatusCode.UNAVAILABLE
 
 
