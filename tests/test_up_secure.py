@@ -52,13 +52,12 @@ def test_up_runs_two_target_replicas_with_mutual_tls_and_a_token(
         assert '"new_tokens": 4' in capsys.readouterr().out
         # The services speak only TLS and want a client certificate signed by the stack's CA.
         for service_port in (port + 1, port + 2, port + 5):
-            with grpc.insecure_channel(f"127.0.0.1:{service_port}") as channel:
-                with pytest.raises(grpc.RpcError):
-                    health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-        ca = (tmp_path / "pki" / "ca.pem").read_bytes()
-        with grpc.secure_channel(f"127.0.0.1:{port + 2}", grpc.ssl_channel_credentials(ca)) as channel:
-            with pytest.raises(grpc.RpcError):
+            with grpc.insecure_channel(f"127.0.0.1:{service_port}") as channel, pytest.raises(grpc.RpcError):
                 health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        ca = (tmp_path / "pki" / "ca.pem").read_bytes()
+        credentials = grpc.ssl_channel_credentials(ca)  # trusts the CA, but presents no certificate
+        with grpc.secure_channel(f"127.0.0.1:{port + 2}", credentials) as channel, pytest.raises(grpc.RpcError):
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
     finally:
