@@ -55,6 +55,9 @@ def _add_server_tls_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", help="serve TLS with this certificate (PEM; with --tls-key)")
     parser.add_argument("--tls-key", help="the certificate's private key (PEM)")
     parser.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
+    parser.add_argument(
+        "--health-port", type=int, default=0, help="also serve health alone, in plaintext, here (probes; 0 = off)"
+    )
 
 
 def _add_client_tls_flags(parser: argparse.ArgumentParser, prefix: str = "", whom: str = "the server") -> None:
@@ -145,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
     summarize.add_argument("paths", nargs="+", help="JSONL span files, or directories of them (`up --trace-dir`)")
     summarize.add_argument("--plot", help="also write a stacked-bar chart of the rounds to this PNG")
     summarize.add_argument("--json", action="store_true", help="print the summary as JSON")
+    certs = commands.add_parser(
+        "certs", help="make a private CA and certificates for the three services and a client (mutual TLS)"
+    )
+    certs.add_argument("directory", help="where to write ca.pem and <name>.pem / <name>.key")
+    certs.add_argument(
+        "--host", action="append", default=[],
+        help="a name or IP the certificates are valid for (repeatable; localhost and 127.0.0.1 always, "
+        "and specwire-<service>, the Kubernetes Service names)",
+    )
     bench.add_parser(commands)
     experiment.add_parser(commands)
     return parser
@@ -377,6 +389,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 tls=tls,
                 services_tls=client_tls(args.services_tls_ca, args.services_tls_cert, args.services_tls_key),
                 auth_token_file=args.auth_token_file,
+                health_port=args.health_port,
             )
         )
         return 0
@@ -393,6 +406,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ngram_min=getattr(args, "ngram_min", 1),
         telemetry=_telemetry_config(args),
         tls=tls,
+        health_port=args.health_port,
     )
     if args.role == "draft":
         from specwire.draft_service.server import main as serve_draft
@@ -424,7 +438,20 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run}
+def cmd_certs(args: argparse.Namespace) -> int:
+    from specwire.security import make_certificates
+
+    directory = Path(args.directory)
+    if (directory / "ca.pem").exists():
+        raise SystemExit(f"{directory / 'ca.pem'} exists: refusing to replace a CA (pick a new directory)")
+    issued = make_certificates(directory, hosts=["localhost", "127.0.0.1", *args.host])
+    print(f"CA            {directory / 'ca.pem'}")
+    for name, (cert, key) in issued.items():
+        print(f"{name:<13} {cert} {key}")
+    return 0
+
+
+COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

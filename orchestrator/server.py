@@ -170,7 +170,8 @@ async def run(config: OrchestratorConfig) -> None:
         orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, server)
 
     running = await serving.start_server(
-        register, [SERVICE_NAME], config.host, config.port, interceptors=interceptors, tls=config.tls
+        register, [SERVICE_NAME], config.host, config.port, interceptors=interceptors, tls=config.tls,
+        health_port=config.health_port,
     )
 
     metrics_server = serve_metrics(metrics.registry, config.host, observe.metrics_port) if metrics else None

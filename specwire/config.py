@@ -34,6 +34,7 @@ class ModelServiceConfig:
     grace_s: float = 10.0
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     tls: ServerTLS | None = None  # None: plaintext
+    health_port: int = 0  # a plaintext health-only port for probes (0: none)
 
 
 @dataclass(frozen=True)
@@ -58,3 +59,4 @@ class OrchestratorConfig:
     tls: ServerTLS | None = None  # the public API; None: plaintext
     services_tls: ClientTLS | None = None  # the hops to the model services; None: plaintext
     auth_token_file: str | None = None  # bearer tokens the public API accepts; None: open
+    health_port: int = 0  # a plaintext health-only port for probes (0: none)

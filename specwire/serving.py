@@ -43,6 +43,9 @@ class RunningServer:
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
+    # A plaintext port with the health service only, for probes that cannot speak TLS (kubelet).
+    health_server: grpc.aio.Server | None = None
+    health_port: int = 0
 
 
 async def start_server(
@@ -52,9 +55,11 @@ async def start_server(
     port: int,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     tls: ServerTLS | None = None,
+    health_port: int = 0,
 ) -> RunningServer:
     """Bind, register the services plus health and reflection, start. Health starts NOT_SERVING.
-    With `tls`, the port speaks only TLS (mutual TLS when `tls.client_ca` is set)."""
+    With `tls`, the port speaks only TLS (mutual TLS when `tls.client_ca` is set); `health_port`
+    (0: none) also serves the health service alone, in plaintext, for probes."""
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
     register(server)
     health_servicer = health.aio.HealthServicer()
@@ -68,9 +73,16 @@ async def start_server(
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     await server.start()
+    health_server = None
+    if health_port:
+        health_server = grpc.aio.server(options=SERVER_OPTIONS)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        if health_server.add_insecure_port(f"{host}:{health_port}") == 0:
+            raise OSError(f"could not bind the health port {host}:{health_port}")
+        await health_server.start()
     for name in ("", *service_names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    return RunningServer(server, bound, health_servicer)
+    return RunningServer(server, bound, health_servicer, health_server, health_port if health_server else 0)
 
 
 async def mark_serving(running: RunningServer, service_names: Sequence[str]) -> None:
@@ -82,6 +94,8 @@ async def drain(running: RunningServer, grace: float) -> None:
     """Stop taking new calls, let running ones finish within `grace` seconds."""
     await running.health.enter_graceful_shutdown()
     await running.server.stop(grace)
+    if running.health_server is not None:
+        await running.health_server.stop(0)
 
 
 async def serve_until_signalled(

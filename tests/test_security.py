@@ -14,11 +14,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specwire.client import Client, GenerationError
+from specwire.client.launcher import free_base_port
 from specwire.orchestrator.replicas import ReplicaSet
 from specwire.orchestrator.server import SERVICE_NAME as ORCHESTRATOR_SERVICE
 from specwire.orchestrator.server import OrchestratorServicer, build_decoder
-from specwire.v1 import model_pb2_grpc, orchestrator_pb2_grpc
+from specwire.v1 import model_pb2, model_pb2_grpc, orchestrator_pb2_grpc
 
 from specwire import serving
 from specwire.config import OrchestratorConfig
@@ -70,7 +72,9 @@ def secure(loop: LoopThread, tmp_path_factory: pytest.TempPathFactory, llama_tar
             def register(server: grpc.aio.Server, servicer: ModelServicer = servicer) -> None:
                 model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, server)
 
-            running = await serving.start_server(register, [MODEL_SERVICE], "127.0.0.1", 0, tls=_server_tls(ours, role, ca))
+            running = await serving.start_server(
+                register, [MODEL_SERVICE], "127.0.0.1", 0, tls=_server_tls(ours, role, ca), health_port=free_base_port(1)
+            )
             await serving.mark_serving(running, [MODEL_SERVICE])
             servers.append(running)
             addresses[role] = f"127.0.0.1:{running.port}"
@@ -173,6 +177,18 @@ def test_tokens_are_required_and_health_stays_open(secure: SecureStack, caplog: 
         assert c.health() == "SERVING"
         assert len(c.generate(prompt="def", max_new_tokens=2, ignore_eos=True).token_ids) == 2
     assert all(TOKEN not in record.getMessage() and "wrong-token" not in record.getMessage() for record in caplog.records)
+
+
+def test_probes_reach_health_on_the_plaintext_health_port_only(secure: SecureStack) -> None:
+    """kubelet's gRPC probe cannot speak TLS: `--health-port` serves health alone, in plaintext."""
+    target = secure.servers[0]
+    assert target.health_port
+    with grpc.insecure_channel(f"127.0.0.1:{target.health_port}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as other:  # nothing but health on it
+            model_pb2_grpc.ModelServiceStub(channel).Info(model_pb2.InfoRequest(), timeout=5)
+        assert other.value.code() == grpc.StatusCode.UNIMPLEMENTED  # type: ignore[attr-defined]
 
 
 def test_the_token_file_is_reread_when_it_changes(secure: SecureStack) -> None:
