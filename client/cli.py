@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specwire.bench import bench, experiment
+from specwire.bench import bench, experiment, soak
 from specwire.client.sdk import Client, GenerateResult, GenerationError, stats_as_dict
 
 # Generation flags: (flag, type, help). The SDK keyword is the flag with underscores.
@@ -159,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_parser(commands)
     experiment.add_parser(commands)
+    soak.add_parser(commands)
     return parser
 
 
@@ -451,7 +452,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run}
+COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "soak": soak.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

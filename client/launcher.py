@@ -94,6 +94,15 @@ def free_base_port(count: int = 5, attempts: int = 200) -> int:
     raise RuntimeError(f"no {count} consecutive free ports found")
 
 
+def _replica_metrics(args: list[str], index: int) -> list[str]:
+    """Target replica `index`'s flags: from the second on, `--metrics-port T` becomes T + 2 + index
+    (the metrics ports follow the gRPC ports: target P+2, its replicas P+5, P+6, …)."""
+    if index == 0 or "--metrics-port" not in args:
+        return args
+    at = args.index("--metrics-port") + 1
+    return [*args[:at], str(int(args[at]) + 2 + index), *args[at + 1 :]]
+
+
 def _tls_args(c: StackConfig) -> tuple[list[str], list[str], list[str]]:
     """`serve` flags for mutual TLS on the internal hops: a private CA and certificates, made
     once in `c.tls_dir`. The model services require the orchestrator's client certificate."""
@@ -143,8 +152,9 @@ class Stack:
         if draft_source:
             draft_args += ["--model", draft_source]
         targets = [("target" if i == 0 else f"target-{i + 1}", port) for i, port in enumerate(c.target_ports)]
-        for name, port in targets:
-            self._spawn(name, _serve_command("target", *target_args, "--port", str(port)), log_dir, ready_label="target")
+        for index, (name, port) in enumerate(targets):
+            replica_args = _replica_metrics(target_args, index)
+            self._spawn(name, _serve_command("target", *replica_args, "--port", str(port)), log_dir, ready_label="target")
         self._spawn("draft", _serve_command("draft", *draft_args), log_dir)
         self._wait([name for name, _ in targets] + ["draft"], timeout)
         target_address, draft_address = ",".join(f"{c.host}:{port}" for _, port in targets), f"{c.host}:{c.draft_port}"
