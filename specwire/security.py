@@ -215,7 +215,8 @@ SERVICE_NAMES = ("orchestrator", "draft", "target")
 def make_certificates(directory: Path, hosts: Sequence[str] = ("localhost", "127.0.0.1")) -> dict[str, tuple[Path, Path]]:
     """A private CA (`ca.pem`) and, for each service and for a `client`, a key and a certificate
     signed by it, valid for `hosts` and the service's name, usable as server and as client.
-    Returns {name: (cert, key)}; keys are written owner-readable only."""
+    Returns {name: (cert, key)}; keys are written owner-readable only. The CA's own key is
+    discarded, so a leaked directory cannot mint new identities."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -241,8 +242,8 @@ def make_certificates(directory: Path, hosts: Sequence[str] = ("localhost", "127
         .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
         .sign(ca_key, hashes.SHA256())
     )
+    # The CA's key is not kept: nothing can be signed by this CA after this call.
     (directory / "ca.pem").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    write_key(directory / "ca.key", ca_key)
 
     names: list[x509.GeneralName] = []
     for host in hosts:
