@@ -41,7 +41,7 @@ from specwire.orchestrator.models import CallStats, RemoteSession
 from specwire.v1 import model_pb2, model_pb2_grpc
 
 from specwire import telemetry, wire
-from specwire.errors import Unavailable
+from specwire.errors import StatusError, Unavailable
 from specwire.security import ClientTLS, aio_channel
 from specwire.serving import CHANNEL_OPTIONS
 from specwire.session import ModelInfo, OpenRequest, ScoreKind, Scoring, StepRequest, StepResult
@@ -226,22 +226,33 @@ class ReplicaSet:
                 log.exception("%s: re-resolving %s failed", self.label, self.spec)
 
     async def _watch(self, replica: Replica) -> None:
-        """Follow the replica's health stream; reconnect with back-off while it is unreachable."""
+        """Follow the replica's health stream; reconnect with back-off while it is unreachable.
+
+        A replica that reports NOT_SERVING (loading, or draining for shutdown) is asked again
+        after the back-off instead of held on an open stream: a draining server then exits as
+        soon as its sessions end, not when its drain window does."""
         health = health_pb2_grpc.HealthStub(replica.channel)
         delay = BACKOFF_FIRST_S
         while True:
+            state = "unreachable"
+            call = health.Watch(health_pb2.HealthCheckRequest(service=""))
             try:
-                async for reply in health.Watch(health_pb2.HealthCheckRequest(service="")):
+                async for reply in call:
                     serving = reply.status == health_pb2.HealthCheckResponse.SERVING
                     if serving and replica.info is None:
                         await self._check_info(replica)
                     if replica.state != "mismatched":
                         self._set_state(replica, "serving" if serving else "not_serving")
+                    if not serving:
+                        state = "not_serving"
+                        break
                     delay = BACKOFF_FIRST_S
             except grpc.aio.AioRpcError:
                 pass
+            finally:
+                call.cancel()
             if replica.state != "mismatched":
-                self._set_state(replica, "unreachable")
+                self._set_state(replica, state)
             await asyncio.sleep(delay)
             delay = min(2 * delay, BACKOFF_MAX_S)
 
@@ -462,7 +473,9 @@ class FailoverSession:
             assert self._session is not None
             try:
                 return await send(self._session)
-            except Unavailable as failure:
+            except StatusError as failure:
+                if not _replica_lost(failure):
+                    raise
                 lost, reason = await self._fail(), failure.message
                 if (rebuild and self._opening is None) or time.monotonic() >= deadline:
                     raise
@@ -561,6 +574,14 @@ class ReplicaCollector:
                 failures.add_metric(labels, state.failures)
             rebuilt.add_metric([replicas.label], replicas.rebuilt)
         yield from (serving, active, failures, rebuilt)
+
+
+def _replica_lost(error: StatusError) -> bool:
+    """Whether `error` means the replica (or the way to it) failed, not the request: UNAVAILABLE,
+    or the INTERNAL status gRPC's own transport reports when a connection dies mid-message."""
+    if isinstance(error, Unavailable):
+        return True
+    return error.code == grpc.StatusCode.INTERNAL and "Internal error from Core" in error.message
 
 
 class _RebuildImpossible(Unavailable):

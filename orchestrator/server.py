@@ -132,6 +132,8 @@ async def build_decoder(
     target, draft = models[0], models[1] if len(models) > 1 else None
     for model in models:
         model.tracing = tracing
+    if metrics is not None:
+        metrics.registry.register(ReplicaCollector(list(models)))
     source = config.tokenizer or target.info.tokenizer_source
     tokenizer = load_tokenizer(source) if source else None
     if tokenizer is None:
@@ -160,9 +162,6 @@ async def run(config: OrchestratorConfig) -> None:
         message = error.message if isinstance(error, StatusError) else str(error)
         print(f"orchestrator refuses to start: {message}", file=sys.stderr, flush=True)
         raise SystemExit(2) from error
-    if metrics is not None:
-        handles = [decoder.target, decoder.draft]
-        metrics.registry.register(ReplicaCollector([h for h in handles if isinstance(h, ReplicaSet)]))
     servicer = OrchestratorServicer(decoder)
     interceptors = [security.TokenAuth(security.TokenFile(config.auth_token_file))] if config.auth_token_file else []
 

@@ -16,11 +16,15 @@ from typing import Any
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from specwire.client import Client, GenerationError
 from specwire.client.launcher import free_base_port
 from specwire.orchestrator.replicas import ReplicaSet, split_addresses
 
-from tests.harness import LoopThread, OrchestratorServer, start_orchestrator
+from specwire import telemetry
+from specwire.config import OrchestratorConfig
+from specwire.metrics import OrchestratorMetrics
+from tests.harness import LoopThread, OrchestratorServer, start_observed_orchestrator
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["def fib(n):", "class Stack:", "import os\n", "for i in range("]
@@ -84,10 +88,25 @@ def replicas(llama_target_dir: Path, llama_draft_dir: Path) -> Iterator[Replicas
         group.stop()
 
 
+@dataclass
+class Observed:
+    spans: InMemorySpanExporter
+    metrics: OrchestratorMetrics
+
+
 @pytest.fixture(scope="module")
-def orchestrator(loop: LoopThread, replicas: Replicas, llama_target_dir: Path) -> Iterator[OrchestratorServer]:
-    targets = f"{replicas.address('a')},{replicas.address('b')}"
-    server = loop.run(start_orchestrator(targets, replicas.address("draft"), str(llama_target_dir), max_new_tokens_limit=512))
+def observed() -> Observed:
+    return Observed(InMemorySpanExporter(), OrchestratorMetrics(process_metrics=False))
+
+
+@pytest.fixture(scope="module")
+def orchestrator(loop: LoopThread, replicas: Replicas, llama_target_dir: Path, observed: Observed) -> Iterator[OrchestratorServer]:
+    config = OrchestratorConfig(
+        target=f"{replicas.address('a')},{replicas.address('b')}", draft=replicas.address("draft"),
+        tokenizer=str(llama_target_dir), connect_timeout_s=10.0, max_new_tokens_limit=512,
+    )
+    tracing = telemetry.setup_tracing("orchestrator", span_exporter=observed.spans)
+    server = loop.run(start_observed_orchestrator(config, tracing, observed.metrics))
     yield server
     loop.run(server.running.server.stop(0))
 
@@ -104,15 +123,19 @@ def wait_serving(loop: LoopThread, handle: ReplicaSet, count: int, timeout: floa
         time.sleep(0.1)
 
 
-def run_streams(address: str, params: dict[str, Any], on_started: Any = None) -> list[tuple[list[int], int]]:
-    """The four prompts as concurrent streams: (tokens, sessions_rebuilt) each, in prompt order."""
+def run_streams(
+    address: str, params: dict[str, Any] | list[dict[str, Any]], on_started: Any = None
+) -> list[tuple[list[int], int]]:
+    """The four prompts as concurrent streams: (tokens, sessions_rebuilt) each, in prompt order.
+    `params`: for all four, or one set per stream."""
+    per_stream = params if isinstance(params, list) else [params] * len(PROMPTS)
     results: list[Any] = [None] * len(PROMPTS)
 
     def one(index: int) -> None:
         tokens: list[int] = []
         rebuilt = -1
         with Client(address, timeout=120) as client:
-            for delta in client.stream(prompt=PROMPTS[index], ignore_eos=True, **params):
+            for delta in client.stream(prompt=PROMPTS[index], ignore_eos=True, **per_stream[index]):
                 tokens += delta.token_ids
                 if delta.stats is not None:
                     rebuilt = delta.stats.sessions_rebuilt
@@ -129,8 +152,11 @@ def run_streams(address: str, params: dict[str, Any], on_started: Any = None) ->
     return results
 
 
-STRATEGIES = {
-    "greedy": {"strategy": "greedy", "max_new_tokens": 400},
+GREEDY = {"strategy": "greedy", "max_new_tokens": 400}
+# The orchestrator's generator draws every seed the target samples with: replica-independent.
+SEEDED = {"strategy": "sample", "temperature": 1.0, "seed": 11, "max_new_tokens": 400}
+STRATEGIES: dict[str, dict[str, Any] | list[dict[str, Any]]] = {
+    "greedy and seeded sampling": [GREEDY, GREEDY, SEEDED, SEEDED],
     "speculative": {"strategy": "speculative", "num_speculative_tokens": 3, "max_new_tokens": 300},
     "beam": {"strategy": "beam", "num_beams": 3, "max_new_tokens": 160},
 }
@@ -138,13 +164,18 @@ STRATEGIES = {
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_killing_a_target_replica_loses_nothing(
-    loop: LoopThread, replicas: Replicas, orchestrator: OrchestratorServer, strategy: str
+    loop: LoopThread, replicas: Replicas, orchestrator: OrchestratorServer, observed: Observed, strategy: str
 ) -> None:
     params = STRATEGIES[strategy]
     handle = target_set(orchestrator)
     wait_serving(loop, handle, 2)
+    started = time.monotonic()
     uninterrupted = run_streams(orchestrator.address, params)
+    # Kill a quarter of the way in: every session is past its opening, none near its end.
+    kill_after_s = (time.monotonic() - started) / 4
     assert all(rebuilt == 0 for _, rebuilt in uninterrupted)
+    rebuilt_before = _rebuilt_counter(observed)
+    observed.spans.clear()
     killed: dict[str, int] = {}
 
     def kill_the_busiest() -> None:
@@ -152,10 +183,12 @@ def test_killing_a_target_replica_loses_nothing(
         while sum(state.active_sessions for state in handle.states()) < len(PROMPTS):
             assert time.monotonic() < deadline, "streams did not start"
             time.sleep(0.005)
+        time.sleep(kill_after_s)
         busiest = max(handle.states(), key=lambda state: state.active_sessions)
         name = next(n for n in ("a", "b") if replicas.address(n) == busiest.address)
         replicas.kill(name)
         killed[name] = busiest.active_sessions
+        replicas.start(name)  # its replacement starts loading at once, on the same port
 
     interrupted = run_streams(orchestrator.address, params, kill_the_busiest)
     ((name, held),) = killed.items()
@@ -164,11 +197,51 @@ def test_killing_a_target_replica_loses_nothing(
         assert tokens == expected
     rebuilt = sum(r for _, r in interrupted)
     assert 1 <= rebuilt <= held  # a session that finished between the count and the kill needs none
-    state = {s.address: s for s in handle.states()}[replicas.address(name)]
-    assert state.failures >= 1 and state.state != "serving"
-    # The replica comes back on its port; the orchestrator's health watch takes it in again.
-    replicas.start(name)
+    # Counted in the metrics, traced as a span inside the generation's trace, from the lost replica.
+    assert _rebuilt_counter(observed) - rebuilt_before == rebuilt
+    spans = observed.spans.get_finished_spans()
+    rebuilds = [span for span in spans if span.name == "session.rebuild"]
+    assert len(rebuilds) == rebuilt
+    generations = {span.context.trace_id for span in spans if span.name == "generate"}
+    for span in rebuilds:
+        assert span.attributes is not None and span.attributes["specwire.rebuild.from"] == replicas.address(name)
+        assert span.context.trace_id in generations
+    assert {s.address: s for s in handle.states()}[replicas.address(name)].failures >= 1
+    # The replacement comes up on the port; the orchestrator's health watch takes it in again.
     wait_ready(replicas.processes[name], "target")
+    wait_serving(loop, handle, 2)
+
+
+def _rebuilt_counter(observed: Observed) -> float:
+    value = observed.metrics.registry.get_sample_value("specwire_sessions_rebuilt_total", {"role": "target"})
+    return value or 0.0
+
+
+def test_a_draining_replica_takes_no_new_sessions_and_finishes_its_own(
+    loop: LoopThread, replicas: Replicas, orchestrator: OrchestratorServer
+) -> None:
+    """SIGTERM (a rolling update): health turns NOT_SERVING, new sessions go to the other replica,
+    the sessions it holds run on within its drain window; it exits cleanly."""
+    params = {"strategy": "greedy", "max_new_tokens": 300}
+    handle = target_set(orchestrator)
+    wait_serving(loop, handle, 2)
+    uninterrupted = run_streams(orchestrator.address, params)
+
+    def drain_a() -> None:
+        deadline = time.monotonic() + 30
+        while sum(state.active_sessions for state in handle.states()) < len(PROMPTS):
+            assert time.monotonic() < deadline, "streams did not start"
+            time.sleep(0.005)
+        replicas.processes["a"].send_signal(signal.SIGTERM)
+
+    interrupted = run_streams(orchestrator.address, params, drain_a)
+    assert [tokens for tokens, _ in interrupted] == [tokens for tokens, _ in uninterrupted]
+    assert replicas.processes["a"].wait(30) == 0
+    assert {s.address: s.state for s in handle.states()}[replicas.address("a")] != "serving"
+    picked = handle.pick()
+    assert picked is not None and picked.address == replicas.address("b")
+    replicas.start("a")
+    wait_ready(replicas.processes["a"], "target")
     wait_serving(loop, handle, 2)
 
 
