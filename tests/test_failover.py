@@ -19,7 +19,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from specwire.client import Client, GenerationError
 from specwire.client.launcher import free_base_port
-from specwire.orchestrator.replicas import ReplicaSet, split_addresses
+from specwire.orchestrator.replicas import ReplicaSet, resolve, split_addresses
 
 from specwire import telemetry
 from specwire.config import OrchestratorConfig
@@ -281,6 +281,11 @@ def test_draft_loss_falls_back_to_target_only_rounds(
             client.generate(prompt=PROMPTS[0], strategy="contrastive", max_new_tokens=4)
         assert contrastive.value.code == grpc.StatusCode.UNAVAILABLE
         assert "draft service unavailable" in contrastive.value.message
+
+
+def test_a_dns_name_stands_for_its_addresses_and_names_their_certificate(loop: LoopThread) -> None:
+    assert loop.run(resolve("localhost:5,127.0.0.1:6")) == [("127.0.0.1:5", "localhost"), ("127.0.0.1:6", None)]
+    assert loop.run(resolve("no-such-host.invalid:5")) == []
 
 
 def test_addresses_split_on_commas() -> None:

@@ -152,6 +152,19 @@ def test_the_model_services_refuse_an_orchestrator_without_our_certificate(loop:
             loop.run(ReplicaSet.connect(address, "target", 1.5, tls))
 
 
+def test_replicas_found_through_a_dns_name_are_verified_against_that_name(loop: LoopThread, secure: SecureStack) -> None:
+    """`localhost:PORT` is dialed at 127.0.0.1 and the certificate checked for `localhost`."""
+    port = secure.target.split(":")[1]
+
+    async def connect() -> list[str]:
+        replicas = await ReplicaSet.connect(f"localhost:{port}", "target", 10.0, secure.tls("orchestrator"))
+        states = [f"{state.address} {state.state}" for state in replicas.states()]
+        await replicas.close()
+        return states
+
+    assert loop.run(connect()) == [f"127.0.0.1:{port} serving"]
+
+
 def test_a_service_certificate_from_another_ca_is_not_trusted(loop: LoopThread, secure: SecureStack) -> None:
     """The orchestrator trusts only its CA: a service it cannot verify is never used."""
     with pytest.raises(Unavailable, match="no replica .* answered"):
