@@ -140,7 +140,7 @@ class Stack:
         """Start draft and target, then the orchestrator; wait until all report READY."""
         c = self.config
         if c.proxied and c.target_replicas > 1:
-            raise ValueError("the delay proxy fronts one target replica: use --rtt-ms etc. with --target-replicas 1")
+            raise RuntimeError("the delay proxy fronts one target replica: use --rtt-ms etc. with --target-replicas 1")
         model_args = ["--device", c.device, "--dtype", c.dtype, "--host", c.host]
         target_tls, draft_tls, orchestrator_tls = _tls_args(c)
         target_args = [*model_args, *target_tls, *c.extra_target_args]

@@ -16,6 +16,10 @@ orchestrator's random state never depends on which replica served. A rebuild is 
 (`CallStats.rebuilds`), traced (`session.rebuild` span) and logged; it is retried with back-off
 until `failover_timeout_s`, then the call ends UNAVAILABLE.
 
+A replica that answers RESOURCE_EXHAUSTED (its sessions or KV cache are full) keeps its health:
+the session moves to another replica with room, rebuilt the same way, and the caller sees
+RESOURCE_EXHAUSTED only when none has room.
+
 A draft role is optional for speculative decoding: with no draft replica left, its session
 proposes nothing, so every round is a target-only round (lossless, slower), and it moves back
 onto a draft replica as soon as one is healthy again. Requests that need draft scores
@@ -297,18 +301,19 @@ class ReplicaSet:
 
     # -- sessions -----------------------------------------------------------------------------
 
-    def pick(self) -> Replica | None:
-        """The healthy replica with the fewest active sessions (ties: fewest opened, for spread)."""
-        healthy = [r for r in self.replicas.values() if r.healthy]
+    def pick(self, exclude: frozenset[str] = frozenset()) -> Replica | None:
+        """The healthy replica with the fewest active sessions (ties: fewest opened, for spread),
+        leaving out the addresses in `exclude`."""
+        healthy = [r for r in self.replicas.values() if r.healthy and r.address not in exclude]
         if not healthy:
             return None
         return min(healthy, key=lambda r: (r.active_sessions, r.sessions_opened))
 
-    async def acquire(self, deadline: float | None) -> Replica:
+    async def acquire(self, deadline: float | None, exclude: frozenset[str] = frozenset()) -> Replica:
         """A healthy replica, waiting with back-off until `deadline` (monotonic; None: no wait)."""
         delay = BACKOFF_FIRST_S
         while True:
-            replica = self.pick()
+            replica = self.pick(exclude)
             if replica is not None:
                 replica.active_sessions += 1
                 replica.sessions_opened += 1
@@ -414,8 +419,8 @@ class FailoverSession:
     def _label(self) -> str:
         return self._replicas.label
 
-    async def _attach(self, deadline: float | None) -> None:
-        replica = await self._replicas.acquire(deadline)
+    async def _attach(self, deadline: float | None, exclude: frozenset[str] = frozenset()) -> None:
+        replica = await self._replicas.acquire(deadline, exclude)
         self._replica = replica
         self._session = RemoteSession(replica.stub, self._label, self._stats, self._replicas.tracing)
 
@@ -449,11 +454,12 @@ class FailoverSession:
         deadline = time.monotonic() + self._replicas.failover_timeout_s
         lost: str | None = None
         reason = ""
+        full: frozenset[str] = frozenset()  # replicas that answered RESOURCE_EXHAUSTED to this call
         while True:
             if self._session is None:
                 try:
                     # An optional role does not wait for a replica: target-only rounds go on now.
-                    await self._attach(None if self._replicas.optional else deadline)
+                    await self._attach(None if self._replicas.optional or full else deadline, full)
                 except Unavailable as failure:
                     if self._replicas.optional and self._opening is not None:
                         self._degrade(failure)
@@ -470,10 +476,18 @@ class FailoverSession:
                         if time.monotonic() >= deadline:
                             raise
                         continue
-            assert self._session is not None
+            assert self._session is not None and self._replica is not None
             try:
                 return await send(self._session)
             except StatusError as failure:
+                if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED and self._replicas.pick(full | {self._replica.address}):
+                    # Full here, room elsewhere: move the session there, rebuilt from the record.
+                    full |= {self._replica.address}
+                    lost, reason = self._replica.address, failure.message
+                    await self._leave()
+                    if rebuild and self._opening is None:
+                        raise
+                    continue
                 if not _replica_lost(failure):
                     raise
                 lost, reason = await self._fail(), failure.message

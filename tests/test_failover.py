@@ -3,6 +3,7 @@ streams, and every output equals its uninterrupted run, for greedy, speculative 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -19,11 +20,17 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from specwire.client import Client, GenerationError
 from specwire.client.launcher import free_base_port
+from specwire.orchestrator.models import CallStats
 from specwire.orchestrator.replicas import ReplicaSet, resolve, split_addresses
+from specwire.v1 import model_pb2_grpc
 
-from specwire import telemetry
+from specwire import serving, telemetry
 from specwire.config import OrchestratorConfig
 from specwire.metrics import OrchestratorMetrics
+from specwire.model_service import SERVICE_NAME as MODEL_SERVICE
+from specwire.model_service import ModelServicer
+from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
+from tests.conftest import load_engine
 from tests.harness import LoopThread, OrchestratorServer, start_observed_orchestrator
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -292,3 +299,51 @@ def test_addresses_split_on_commas() -> None:
     assert split_addresses("a:1, 10.0.0.2:2,[::1]:3") == [("a", 1), ("10.0.0.2", 2), ("::1", 3)]
     with pytest.raises(ValueError, match="expected host:port"):
         split_addresses("nohost")
+
+
+def test_a_full_replica_passes_the_session_to_one_with_room(loop: LoopThread, llama_target_dir: Path) -> None:
+    """RESOURCE_EXHAUSTED (here: --max-sessions 1, taken by another orchestrator's stream) moves
+    the session to a replica with room; it is not counted as a failure of the full one."""
+    engine = load_engine(llama_target_dir, "target")
+
+    async def scenario() -> tuple[list[str], list[int], int]:
+        servers = []
+        for max_sessions in (1, 8):
+            servicer = ModelServicer(engine, max_sessions=max_sessions)
+
+            def register(server: grpc.aio.Server, servicer: ModelServicer = servicer) -> None:
+                model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, server)
+
+            running = await serving.start_server(register, [MODEL_SERVICE], "127.0.0.1", 0)
+            await serving.mark_serving(running, [MODEL_SERVICE])
+            servers.append(running)
+        full, roomy = (f"127.0.0.1:{running.port}" for running in servers)
+        other = await ReplicaSet.connect(full, "target", 10.0)  # someone else's session fills it
+        occupant = other.session(CallStats())
+        await occupant.open(OpenRequest([1, 2, 3]))
+        replicas = await ReplicaSet.connect(f"{full},{roomy}", "target", 10.0)
+        try:
+            while sum(state.state == "serving" for state in replicas.states()) < 2:
+                await asyncio.sleep(0.05)
+            stats = CallStats()
+            sessions = [replicas.session(stats) for _ in range(3)]
+            for session in sessions:
+                await session.open(OpenRequest([5, 6, 7], scoring=Scoring(ScoreKind.ARGMAX)))
+            steps = [await session.step(StepRequest(append_ids=[8], scoring=Scoring(ScoreKind.ARGMAX))) for session in sessions]
+            homes = [state.address for state in replicas.states() for _ in range(state.active_sessions)]
+            failures = sum(state.failures for state in replicas.states())
+            tried_full = {state.address: state.sessions_opened for state in replicas.states()}[full]
+            assert tried_full >= 1  # ties alternate: some session was offered to the full replica first
+            for session in sessions:
+                await session.close()
+            return homes, [int(step.scores.argmax_ids[0]) for step in steps if step.scores is not None], failures
+        finally:
+            await occupant.close()
+            for handle in (replicas, other):
+                await handle.close()
+            for running in servers:
+                await running.server.stop(0)
+
+    homes, argmax, failures = loop.run(scenario())
+    assert len(homes) == 3 and len(set(homes)) == 1 and failures == 0
+    assert len(argmax) == 3 and len(set(argmax)) == 1
