@@ -276,11 +276,20 @@ def test_new_sessions_go_to_the_least_loaded_healthy_replica(
 def test_draft_loss_falls_back_to_target_only_rounds(
     loop: LoopThread, replicas: Replicas, orchestrator: OrchestratorServer
 ) -> None:
-    """Last in the module: the draft stays dead. Greedy speculative output is unchanged."""
-    params = {"strategy": "speculative", "num_speculative_tokens": 3, "max_new_tokens": 120, "ignore_eos": True}
+    """Last in the module: the draft stays dead. Greedy speculative output is unchanged, whether
+    the draft dies mid-generation or is gone before it starts."""
+    params = {"strategy": "speculative", "num_speculative_tokens": 3, "max_new_tokens": 300, "ignore_eos": True}
     with Client(orchestrator.address, timeout=120) as client:
         expected = client.generate(prompt=PROMPTS[0], **params)
-        replicas.kill("draft")
+        tokens: list[int] = []
+        for delta in client.stream(prompt=PROMPTS[0], **params):
+            if not tokens:
+                replicas.kill("draft")  # after the first round
+            tokens += delta.token_ids
+            if delta.stats is not None:
+                during = delta.stats
+        assert tokens == expected.token_ids
+        assert 0 < during.drafted_tokens < expected.stats.drafted_tokens
         after = client.generate(prompt=PROMPTS[0], **params)
         assert after.token_ids == expected.token_ids
         assert after.stats.drafted_tokens == 0 and after.stats.rounds == after.stats.new_tokens

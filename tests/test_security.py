@@ -149,7 +149,7 @@ def test_the_model_services_refuse_an_orchestrator_without_our_certificate(loop:
     }[who]
     for address in (secure.target, secure.draft):
         with pytest.raises(Unavailable, match="no replica .* answered"):
-            loop.run(ReplicaSet.connect(address, "target", 1.5, tls))
+            loop.run(ReplicaSet.connect(address, "target", 1.0, tls))
 
 
 def test_replicas_found_through_a_dns_name_are_verified_against_that_name(loop: LoopThread, secure: SecureStack) -> None:

@@ -1,4 +1,4 @@
-"""`specwire soak`, short: steady concurrent streams of every strategy for ~25 s against real
+"""`specwire soak`, short: steady concurrent streams of every strategy for ~20 s against real
 processes, with a target replica pair; no errors, and no KV tokens held once the streams end."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from specwire.bench.soak import SoakConfig, parse_duration, run_soak
 
 def test_a_short_soak_ends_with_no_errors_and_no_kv_tokens_held(llama_target_dir: Path, llama_draft_dir: Path) -> None:
     config = SoakConfig(
-        duration_s=25, streams=4, interval_s=5, max_new_tokens=24, target_model=str(llama_target_dir),
+        duration_s=20, streams=4, interval_s=4, max_new_tokens=24, target_model=str(llama_target_dir),
         draft_model=str(llama_draft_dir), target_replicas=2, device="cpu",
     )
     report = run_soak(config)
