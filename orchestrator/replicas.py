@@ -89,10 +89,12 @@ def dial_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def resolve(spec: str) -> list[tuple[str, str | None]]:
+async def resolve(spec: str, unresolved: set[str] | None = None) -> list[tuple[str, str | None]]:
     """Every address `spec` names, as (dialed address, certificate name or None). A DNS name
-    stands for all its addresses — IPv4 when it has any (one pod, one address), else IPv6."""
+    stands for all its addresses — IPv4 when it has any (one pod, one address), else IPv6.
+    Names that do not resolve now are added to `unresolved`."""
     loop = asyncio.get_running_loop()
+    unresolved = set() if unresolved is None else unresolved
     found: list[tuple[str, str | None]] = []
     for host, port in split_addresses(spec):
         if is_ip(host):
@@ -102,6 +104,7 @@ async def resolve(spec: str) -> list[tuple[str, str | None]]:
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except socket.gaierror as error:
             log.warning("replica name %s does not resolve: %s", host, error)
+            unresolved.add(host)
             continue
         v4 = sorted({str(info[4][0]) for info in infos if info[0] == socket.AF_INET})
         v6 = sorted({str(info[4][0]) for info in infos if info[0] == socket.AF_INET6})
@@ -117,10 +120,10 @@ class Replica:
     channel: grpc.aio.Channel
     server_name: str | None = None
     state: str = "unknown"  # "serving", "not_serving", "unreachable", "unknown", "mismatched"
+    info: ModelInfo | None = None  # checked each time it (re)turns SERVING
     active_sessions: int = 0
     sessions_opened: int = 0
     failures: int = 0
-    info: ModelInfo | None = None
     gone: bool = False  # no longer in DNS: closed once idle
     watcher: asyncio.Task[None] | None = None
     stub: model_pb2_grpc.ModelServiceStub = field(init=False)
@@ -200,7 +203,8 @@ class ReplicaSet:
 
     async def _refresh(self) -> None:
         """Add the replicas DNS names now; retire those it no longer names (closed once idle)."""
-        current = dict(await resolve(self.spec))
+        unresolved: set[str] = set()
+        current = dict(await resolve(self.spec, unresolved))
         for address, server_name in current.items():
             if address not in self.replicas:
                 channel = aio_channel(address, self.tls, REPLICA_CHANNEL_OPTIONS, server_name)
@@ -208,6 +212,8 @@ class ReplicaSet:
                 replica.watcher = asyncio.create_task(self._watch(replica))
                 log.info("%s replica %s added", self.label, address)
         for address, replica in list(self.replicas.items()):
+            if replica.server_name in unresolved:
+                continue  # a resolver failure is no news about the pods: keep what we have
             replica.gone = address not in current
             if replica.gone and replica.active_sessions == 0:
                 await self._drop(replica)
@@ -234,7 +240,8 @@ class ReplicaSet:
 
         A replica that reports NOT_SERVING (loading, or draining for shutdown) is asked again
         after the back-off instead of held on an open stream: a draining server then exits as
-        soon as its sessions end, not when its drain window does."""
+        soon as its sessions end, not when its drain window does. Each time it comes (back) to
+        SERVING its `Info` is checked: what restarts at an address may serve another model."""
         health = health_pb2_grpc.HealthStub(replica.channel)
         delay = BACKOFF_FIRST_S
         while True:
@@ -242,42 +249,41 @@ class ReplicaSet:
             call = health.Watch(health_pb2.HealthCheckRequest(service=""))
             try:
                 async for reply in call:
-                    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-                    if serving and replica.info is None:
-                        await self._check_info(replica)
-                    if replica.state != "mismatched":
-                        self._set_state(replica, "serving" if serving else "not_serving")
-                    if not serving:
+                    if reply.status != health_pb2.HealthCheckResponse.SERVING:
                         state = "not_serving"
                         break
+                    if replica.info is None:
+                        self._set_state(replica, await self._check_info(replica))
+                    else:
+                        self._set_state(replica, "serving")
                     delay = BACKOFF_FIRST_S
             except grpc.aio.AioRpcError:
                 pass
             finally:
                 call.cancel()
-            if replica.state != "mismatched":
-                self._set_state(replica, state)
+            replica.info = None
+            self._set_state(replica, state)
             await asyncio.sleep(delay)
             delay = min(2 * delay, BACKOFF_MAX_S)
 
-    async def _check_info(self, replica: Replica) -> None:
-        """The replica's `Info`; a replica serving another model or vocabulary is kept out."""
+    async def _check_info(self, replica: Replica) -> str:
+        """The replica's `Info`: "serving", or "mismatched" (kept out) when it serves another
+        model or vocabulary than the first replica did."""
         reply = await replica.stub.Info(model_pb2.InfoRequest(), timeout=5.0)
         info = wire.info_from_pb(reply)
+        replica.info = info
         reference = self._info
-        if reference is not None and (
-            info.vocab_size != reference.vocab_size
-            or info.tokenizer_fingerprint != reference.tokenizer_fingerprint
-            or info.model_name != reference.model_name
+        if reference is None:
+            self._info = info
+        elif (info.vocab_size, info.tokenizer_fingerprint, info.model_name) != (
+            reference.vocab_size, reference.tokenizer_fingerprint, reference.model_name
         ):
             log.error(
                 "%s replica %s serves %s (vocab %d), not %s (vocab %d): kept out",
                 self.label, replica.address, info.model_name, info.vocab_size, reference.model_name, reference.vocab_size,
             )
-            self._set_state(replica, "mismatched")
-        replica.info = info
-        if self._info is None:
-            self._info = info
+            return "mismatched"
+        return "serving"
 
     def _set_state(self, replica: Replica, state: str) -> None:
         if replica.state != state:

@@ -31,7 +31,7 @@ from specwire.model_service import SERVICE_NAME as MODEL_SERVICE
 from specwire.model_service import ModelServicer
 from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
 from tests.conftest import load_engine
-from tests.harness import LoopThread, OrchestratorServer, start_observed_orchestrator
+from tests.harness import LoopThread, OrchestratorServer, start_model_server, start_observed_orchestrator
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["def fib(n):", "class Stack:", "import os\n", "for i in range("]
@@ -356,3 +356,29 @@ def test_a_full_replica_passes_the_session_to_one_with_room(loop: LoopThread, ll
     homes, argmax, failures = loop.run(scenario())
     assert len(homes) == 3 and len(set(homes)) == 1 and failures == 0
     assert len(argmax) == 3 and len(set(argmax)) == 1
+
+
+def test_a_replica_serving_another_model_is_kept_out(
+    loop: LoopThread, llama_target_dir: Path, gpt2_target_dir: Path
+) -> None:
+    async def scenario() -> tuple[dict[str, str], list[str]]:
+        servers = [
+            await start_model_server(load_engine(model_dir, "target")) for model_dir in (llama_target_dir, gpt2_target_dir)
+        ]
+        replicas = await ReplicaSet.connect(",".join(server.address for server in servers), "target", 10.0)
+        try:
+            deadline = time.monotonic() + 10
+            while any(state.state in ("unknown", "unreachable") for state in replicas.states()):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            picks = [picked.address for picked in (replicas.pick() for _ in range(3)) if picked is not None]
+            return {state.address: state.state for state in replicas.states()}, picks
+        finally:
+            await replicas.close()
+            for server in servers:
+                await server.running.server.stop(0)
+
+    states, picks = loop.run(scenario())
+    assert sorted(states.values()) == ["mismatched", "serving"]
+    serving = next(address for address, state in states.items() if state == "serving")
+    assert picks == [serving] * 3
