@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from specwire.client import Client, GenerationError
 from specwire.client.launcher import free_base_port
 from specwire.orchestrator.replicas import ReplicaSet
@@ -171,11 +172,18 @@ def test_a_service_certificate_from_another_ca_is_not_trusted(loop: LoopThread, 
         loop.run(ReplicaSet.connect(secure.target, "target", 1.5, secure.tls("orchestrator", secure.other_ca)))
 
 
-def test_tokens_are_required_and_health_stays_open(secure: SecureStack, caplog: pytest.LogCaptureFixture) -> None:
+def _reflected_services(c: Client) -> set[str]:
+    stub = reflection_pb2_grpc.ServerReflectionStub(c._channel)
+    replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+    return {service.name for reply in replies for service in reply.list_services_response.service}
+
+
+def test_tokens_are_required_and_health_and_reflection_stay_open(secure: SecureStack, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     for token, problem in ((None, "missing"), ("wrong-token", "not accepted")):
         with client(secure, token=token) as c:
             assert c.health() == "SERVING"
+            assert ORCHESTRATOR_SERVICE in _reflected_services(c)
             with pytest.raises(GenerationError) as refused:
                 c.generate(prompt="def", max_new_tokens=2)
             assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
