@@ -165,6 +165,10 @@ class RemoteSession:
                     reply = await self._call.read()
                 except grpc.aio.AioRpcError as error:
                     raise _service_error(self._label, error) from error
+                except asyncio.InvalidStateError:
+                    # The stream ended before this message (a draining service cut it): its status says why.
+                    code, details = await self._call.code(), await self._call.details()
+                    raise _service_error(self._label, grpc.aio.AioRpcError(code, None, None, details)) from None
             elapsed_s = wait.elapsed_s
             if reply is grpc.aio.EOF:
                 code = await self._call.code()

@@ -31,7 +31,13 @@ from specwire.model_service import SERVICE_NAME as MODEL_SERVICE
 from specwire.model_service import ModelServicer
 from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
 from tests.conftest import load_engine
-from tests.harness import LoopThread, OrchestratorServer, start_model_server, start_observed_orchestrator
+from tests.harness import (
+    LoopThread,
+    OrchestratorServer,
+    start_model_server,
+    start_observed_orchestrator,
+    start_orchestrator,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["def fib(n):", "class Stack:", "import os\n", "for i in range("]
@@ -382,3 +388,33 @@ def test_a_replica_serving_another_model_is_kept_out(
     assert sorted(states.values()) == ["mismatched", "serving"]
     serving = next(address for address, state in states.items() if state == "serving")
     assert picks == [serving] * 3
+
+
+def test_sessions_still_open_when_the_drain_window_ends_move_to_another_replica(
+    loop: LoopThread, llama_target_dir: Path
+) -> None:
+    """Drain with a short window under long generations: the cut sessions are rebuilt elsewhere."""
+    servers = [loop.run(start_model_server(load_engine(llama_target_dir, "target"))) for _ in range(2)]
+    targets = ",".join(server.address for server in servers)
+    orchestrator = loop.run(start_orchestrator(targets, None, str(llama_target_dir), max_new_tokens_limit=512, max_tokens_per_round=1))
+    try:
+        handle = target_set(orchestrator)
+        wait_serving(loop, handle, 2)
+        params = {"strategy": "greedy", "max_new_tokens": 300}
+        uninterrupted = run_streams(orchestrator.address, params)
+        draining = servers[0]
+
+        def drain_with_a_short_window() -> None:
+            deadline = time.monotonic() + 30
+            while {s.address: s.active_sessions for s in handle.states()}[draining.address] < 2:
+                assert time.monotonic() < deadline, "streams did not start"
+                time.sleep(0.005)
+            loop.run(serving.drain(draining.running, grace=0.3))
+
+        interrupted = run_streams(orchestrator.address, params, drain_with_a_short_window)
+        assert [tokens for tokens, _ in interrupted] == [tokens for tokens, _ in uninterrupted]
+        assert sum(rebuilt for _, rebuilt in interrupted) >= 2
+    finally:
+        loop.run(orchestrator.running.server.stop(0))
+        for server in servers:
+            loop.run(server.running.server.stop(0))
