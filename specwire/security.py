@@ -245,12 +245,15 @@ def make_certificates(directory: Path, hosts: Sequence[str] = ("localhost", "127
     # The CA's key is not kept: nothing can be signed by this CA after this call.
     (directory / "ca.pem").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
 
-    names: list[x509.GeneralName] = []
-    for host in hosts:
-        try:
-            names.append(x509.IPAddress(ipaddress.ip_address(host)))
-        except ValueError:
-            names.append(x509.DNSName(host))
+    def alt_names(extra: str) -> list[x509.GeneralName]:
+        names: list[x509.GeneralName] = []
+        for host in dict.fromkeys([*hosts, extra]):
+            try:
+                names.append(x509.IPAddress(ipaddress.ip_address(host)))
+            except ValueError:
+                names.append(x509.DNSName(host))
+        return names
+
     issued: dict[str, tuple[Path, Path]] = {}
     for name in (*SERVICE_NAMES, "client"):
         key = ec.generate_private_key(ec.SECP256R1())
@@ -259,7 +262,7 @@ def make_certificates(directory: Path, hosts: Sequence[str] = ("localhost", "127
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"specwire {name}")]))
             .issuer_name(ca_name).public_key(key.public_key())
             .serial_number(x509.random_serial_number()).not_valid_before(valid[0]).not_valid_after(valid[1])
-            .add_extension(x509.SubjectAlternativeName([*names, x509.DNSName(f"specwire-{name}")]), critical=False)
+            .add_extension(x509.SubjectAlternativeName(alt_names(f"specwire-{name}")), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
                 x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
