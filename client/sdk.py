@@ -24,7 +24,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 from specwire.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
-from specwire import telemetry
+from specwire import security, telemetry
 from specwire.errors import echo
 from specwire.serving import CHANNEL_OPTIONS
 
@@ -208,6 +208,17 @@ def _client_span(method: str) -> tuple[Span, list[tuple[str, str]] | None]:
     return span, list(telemetry.carrier(span).items())
 
 
+def _authorized(metadata: list[tuple[str, str]] | None, token: str | None) -> list[tuple[str, str]] | None:
+    """The call's metadata plus `authorization: Bearer <token>` when the client has a token."""
+    if token is None:
+        return metadata
+    return [*(metadata or []), ("authorization", f"Bearer {token}")]
+
+
+def _tls(tls_ca: str | None, tls_cert: str | None, tls_key: str | None) -> security.ClientTLS | None:
+    return security.ClientTLS(tls_ca, tls_cert, tls_key) if tls_ca else None
+
+
 def _end(span: Span, error: BaseException | None = None) -> None:
     if error is not None:
         telemetry.record_error(span, error)
@@ -217,17 +228,29 @@ def _end(span: Span, error: BaseException | None = None) -> None:
 class Client:
     """Blocking client. `Client("host:50051").generate(prompt="def f(", max_new_tokens=32)`."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        timeout: float | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        token: str | None = None,
+    ) -> None:
+        """`tls_ca`: the CA that signed the orchestrator's certificate (TLS; plaintext without);
+        `tls_cert`/`tls_key`: this client's own, where the server requires one; `token`: sent as
+        `authorization: Bearer <token>` on every call but health."""
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._token = token
+        self._channel = security.sync_channel(address, _tls(tls_ca, tls_cert, tls_key), CHANNEL_OPTIONS)
         self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
 
     def generate(self, prompt: str | None = None, **params: Any) -> GenerateResult:
         request = build_request(prompt, **params)
         span, metadata = _client_span("Generate")
         try:
-            reply = self._stub.Generate(request, timeout=self.timeout, metadata=metadata)
+            reply = self._stub.Generate(request, timeout=self.timeout, metadata=_authorized(metadata, self._token))
         except grpc.RpcError as error:
             failure = _error(error)
             _end(span, failure)
@@ -240,7 +263,7 @@ class Client:
         span, metadata = _client_span("GenerateStream")
         failure: GenerationError | None = None
         try:
-            for delta in self._stub.GenerateStream(request, timeout=self.timeout, metadata=metadata):
+            for delta in self._stub.GenerateStream(request, timeout=self.timeout, metadata=_authorized(metadata, self._token)):
                 yield _delta_from_pb(delta)
         except grpc.RpcError as error:
             failure = _error(error)
@@ -256,7 +279,7 @@ class Client:
 
     def info(self) -> orchestrator_pb2.OrchestratorInfo:
         return self._stub.Info(
-            orchestrator_pb2.OrchestratorInfoRequest(), timeout=self.timeout, metadata=telemetry.current_metadata()
+            orchestrator_pb2.OrchestratorInfoRequest(), timeout=self.timeout, metadata=_authorized(telemetry.current_metadata(), self._token)
         )
 
     def close(self) -> None:
@@ -272,17 +295,29 @@ class Client:
 class AsyncClient:
     """asyncio client with the same calls as `Client`."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        timeout: float | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        token: str | None = None,
+    ) -> None:
+        """`tls_ca`: the CA that signed the orchestrator's certificate (TLS; plaintext without);
+        `tls_cert`/`tls_key`: this client's own, where the server requires one; `token`: sent as
+        `authorization: Bearer <token>` on every call but health."""
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._token = token
+        self._channel = security.aio_channel(address, _tls(tls_ca, tls_cert, tls_key), CHANNEL_OPTIONS)
         self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
 
     async def generate(self, prompt: str | None = None, **params: Any) -> GenerateResult:
         request = build_request(prompt, **params)
         span, metadata = _client_span("Generate")
         try:
-            reply = await self._stub.Generate(request, timeout=self.timeout, metadata=metadata)
+            reply = await self._stub.Generate(request, timeout=self.timeout, metadata=_authorized(metadata, self._token))
         except grpc.aio.AioRpcError as error:
             failure = _error(error)
             _end(span, failure)
@@ -295,7 +330,7 @@ class AsyncClient:
         span, metadata = _client_span("GenerateStream")
         failure: GenerationError | None = None
         try:
-            async for delta in self._stub.GenerateStream(request, timeout=self.timeout, metadata=metadata):
+            async for delta in self._stub.GenerateStream(request, timeout=self.timeout, metadata=_authorized(metadata, self._token)):
                 yield _delta_from_pb(delta)
         except grpc.aio.AioRpcError as error:
             failure = _error(error)
@@ -310,7 +345,7 @@ class AsyncClient:
 
     async def info(self) -> orchestrator_pb2.OrchestratorInfo:
         return await self._stub.Info(
-            orchestrator_pb2.OrchestratorInfoRequest(), timeout=self.timeout, metadata=telemetry.current_metadata()
+            orchestrator_pb2.OrchestratorInfoRequest(), timeout=self.timeout, metadata=_authorized(telemetry.current_metadata(), self._token)
         )
 
     async def close(self) -> None:

@@ -110,7 +110,7 @@ class Decoder:
             vocab_size=target.info.vocab_size,
         )
         self.eos_token_ids = frozenset(target.info.eos_token_ids)
-        # Kept current by the server's health watchers (`orchestrator.health`).
+        # Kept current by the replica sets' health watchers (`orchestrator.replicas`).
         self.states = ServiceStates()
 
     def available_strategies(self) -> list[str]:

@@ -83,4 +83,5 @@ class RunStats:
             amateur_ms_per_step=draft.client_ms / steps if self.contrastive_steps else 0.0,
             mean_valid_set_size=self.valid_set_sizes / steps if self.contrastive_steps else 0.0,
             differs_from_expert_rate=self.differs_from_expert / steps if self.contrastive_steps else 0.0,
+            sessions_rebuilt=target.rebuilds + draft.rebuilds,
         )

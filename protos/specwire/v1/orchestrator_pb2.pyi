@@ -120,7 +120,7 @@ class Sequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "new_tokens", "rounds", "target_forwards", "draft_forwards", "wall_ms", "ttft_ms", "target_compute_ms", "target_queue_ms", "target_network_ms", "draft_compute_ms", "draft_queue_ms", "draft_network_ms", "orchestrator_ms", "target_bytes_sent", "target_bytes_received", "draft_bytes_sent", "draft_bytes_received", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "accepted_length_histogram", "tokens_per_target_forward", "corrections", "bonus_tokens", "bytes_per_round", "expert_ms_per_step", "amateur_ms_per_step", "mean_valid_set_size", "differs_from_expert_rate")
+    __slots__ = ("prompt_tokens", "new_tokens", "rounds", "target_forwards", "draft_forwards", "wall_ms", "ttft_ms", "target_compute_ms", "target_queue_ms", "target_network_ms", "draft_compute_ms", "draft_queue_ms", "draft_network_ms", "orchestrator_ms", "target_bytes_sent", "target_bytes_received", "draft_bytes_sent", "draft_bytes_received", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "accepted_length_histogram", "tokens_per_target_forward", "corrections", "bonus_tokens", "bytes_per_round", "expert_ms_per_step", "amateur_ms_per_step", "mean_valid_set_size", "differs_from_expert_rate", "sessions_rebuilt")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class GenerationStats(_message.Message):
     AMATEUR_MS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     MEAN_VALID_SET_SIZE_FIELD_NUMBER: _ClassVar[int]
     DIFFERS_FROM_EXPERT_RATE_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_REBUILT_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     new_tokens: int
     rounds: int
@@ -183,7 +184,8 @@ class GenerationStats(_message.Message):
     amateur_ms_per_step: float
     mean_valid_set_size: float
     differs_from_expert_rate: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., wall_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., target_compute_ms: _Optional[float] = ..., target_queue_ms: _Optional[float] = ..., target_network_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., draft_queue_ms: _Optional[float] = ..., draft_network_ms: _Optional[float] = ..., orchestrator_ms: _Optional[float] = ..., target_bytes_sent: _Optional[int] = ..., target_bytes_received: _Optional[int] = ..., draft_bytes_sent: _Optional[int] = ..., draft_bytes_received: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_length_histogram: _Optional[_Iterable[int]] = ..., tokens_per_target_forward: _Optional[float] = ..., corrections: _Optional[int] = ..., bonus_tokens: _Optional[int] = ..., bytes_per_round: _Optional[float] = ..., expert_ms_per_step: _Optional[float] = ..., amateur_ms_per_step: _Optional[float] = ..., mean_valid_set_size: _Optional[float] = ..., differs_from_expert_rate: _Optional[float] = ...) -> None: ...
+    sessions_rebuilt: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., wall_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., target_compute_ms: _Optional[float] = ..., target_queue_ms: _Optional[float] = ..., target_network_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., draft_queue_ms: _Optional[float] = ..., draft_network_ms: _Optional[float] = ..., orchestrator_ms: _Optional[float] = ..., target_bytes_sent: _Optional[int] = ..., target_bytes_received: _Optional[int] = ..., draft_bytes_sent: _Optional[int] = ..., draft_bytes_received: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_length_histogram: _Optional[_Iterable[int]] = ..., tokens_per_target_forward: _Optional[float] = ..., corrections: _Optional[int] = ..., bonus_tokens: _Optional[int] = ..., bytes_per_round: _Optional[float] = ..., expert_ms_per_step: _Optional[float] = ..., amateur_ms_per_step: _Optional[float] = ..., mean_valid_set_size: _Optional[float] = ..., differs_from_expert_rate: _Optional[float] = ..., sessions_rebuilt: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "sequences", "stats")
@@ -218,7 +220,7 @@ class OrchestratorInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class OrchestratorInfo(_message.Message):
-    __slots__ = ("target_model", "draft_model", "vocab_size", "max_context", "max_new_tokens_limit", "strategies", "draft_capabilities", "target_capabilities")
+    __slots__ = ("target_model", "draft_model", "vocab_size", "max_context", "max_new_tokens_limit", "strategies", "draft_capabilities", "target_capabilities", "replicas")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +229,7 @@ class OrchestratorInfo(_message.Message):
     STRATEGIES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     TARGET_CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     vocab_size: int
@@ -235,4 +238,21 @@ class OrchestratorInfo(_message.Message):
     strategies: _containers.RepeatedScalarFieldContainer[str]
     draft_capabilities: _containers.RepeatedScalarFieldContainer[str]
     target_capabilities: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., strategies: _Optional[_Iterable[str]] = ..., draft_capabilities: _Optional[_Iterable[str]] = ..., target_capabilities: _Optional[_Iterable[str]] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., strategies: _Optional[_Iterable[str]] = ..., draft_capabilities: _Optional[_Iterable[str]] = ..., target_capabilities: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("role", "address", "state", "active_sessions", "sessions_opened", "failures")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_OPENED_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    address: str
+    state: str
+    active_sessions: int
+    sessions_opened: int
+    failures: int
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., active_sessions: _Optional[int] = ..., sessions_opened: _Optional[int] = ..., failures: _Optional[int] = ...) -> None: ...
