@@ -1,12 +1,14 @@
 """Run the three services as child processes (`specwire up`, `specwire demo`, benchmarks).
 
 Each child prints `READY <role> <host>:<port>` once it reports SERVING; the launcher waits for
-all three, and stops them all (SIGTERM, then SIGKILL after a grace period) on exit.
+all of them (every target replica too), and stops them all (SIGTERM, then SIGKILL after a grace
+period) on exit.
 
 `Stack.supervise`, called periodically (`specwire up` does), restarts a child that exited, after
 a back-off that doubles with each crash in a row (1 s up to 30 s; reset once a child has stayed
-up for a minute), with a log line each time. The others keep serving meanwhile: the orchestrator
-follows the services' health (`specwire.orchestrator.health`) and serves what it still can.
+up for a minute), with a log line each time; each target replica is a child of its own. The
+others keep serving meanwhile: the orchestrator watches every replica's health
+(`specwire.orchestrator.replicas`) and serves what it still can.
 """
 
 from __future__ import annotations

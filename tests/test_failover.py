@@ -17,11 +17,13 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from specwire.client import Client, GenerationError
 from specwire.client.launcher import free_base_port
 from specwire.orchestrator.models import CallStats
 from specwire.orchestrator.replicas import ReplicaSet, resolve, split_addresses
+from specwire.orchestrator.server import SERVICE_NAME as ORCHESTRATOR
 from specwire.v1 import model_pb2_grpc
 
 from specwire import serving, telemetry
@@ -279,6 +281,51 @@ def test_new_sessions_go_to_the_least_loaded_healthy_replica(
         assert second is not None and second.address != first.address
     finally:
         first.active_sessions -= 1
+
+
+def orchestrator_health(address: str) -> set[str]:
+    """The orchestrator's health for "" and its service, as status names."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        replies = [stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=2) for name in ("", ORCHESTRATOR)]
+    return {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status) for reply in replies}
+
+
+def seconds_until(condition: Any, limit: float) -> float:
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < limit, f"not within {limit} s"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def test_the_orchestrator_serves_while_any_target_replica_does(
+    loop: LoopThread, replicas: Replicas, orchestrator: OrchestratorServer
+) -> None:
+    """Its health (one watcher per replica, nothing else): SERVING with one of two target replicas
+    left, NOT_SERVING within 2 s of losing the last, SERVING again within 2 s of one's return."""
+    handle = target_set(orchestrator)
+    wait_serving(loop, handle, 2)
+    address = orchestrator.address
+    replicas.kill("a")
+    seconds_until(lambda: sum(state.state == "serving" for state in handle.states()) == 1, 2.0)
+    assert orchestrator_health(address) == {"SERVING"}
+    with Client(address, timeout=60) as client:
+        assert len(client.generate(prompt="def", max_new_tokens=3, ignore_eos=True).token_ids) == 3
+        replicas.kill("b")
+        down_s = seconds_until(lambda: orchestrator_health(address) == {"NOT_SERVING"}, 2.0)
+        assert client.info().strategies == []
+        with pytest.raises(GenerationError) as refused:
+            client.generate(prompt="def", max_new_tokens=3)
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE and refused.value.message.startswith("target:")
+        replicas.start("b")
+        wait_ready(replicas.processes["b"], "target")
+        up_s = seconds_until(lambda: orchestrator_health(address) == {"SERVING"}, 2.0)
+        assert len(client.generate(prompt="def", max_new_tokens=3, ignore_eos=True).token_ids) == 3
+    replicas.start("a")
+    wait_ready(replicas.processes["a"], "target")
+    wait_serving(loop, handle, 2)
+    print(f"orchestrator health followed the last target replica down in {down_s:.2f} s, up in {up_s:.2f} s")
 
 
 def test_draft_loss_falls_back_to_target_only_rounds(

@@ -3,9 +3,11 @@ TLS between the services, a token on the public API — what the README tells a 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -58,9 +60,32 @@ def test_up_runs_two_target_replicas_with_mutual_tls_and_a_token(
         credentials = grpc.ssl_channel_credentials(ca)  # trusts the CA, but presents no certificate
         with grpc.secure_channel(f"127.0.0.1:{port + 2}", credentials) as channel, pytest.raises(grpc.RpcError):
             health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        # Every child is supervised, each replica too: a killed second replica comes back on its port.
+        os.kill(replica_pid(process.pid, port + 5), signal.SIGKILL)
+        with Client(address, timeout=60, token="team-token") as client:
+            deadline = time.monotonic() + 120
+            while True:
+                states = {r.address: r.state for r in client.info().replicas if r.role == "target"}
+                if states[f"127.0.0.1:{port + 5}"] != "serving":
+                    break
+                assert time.monotonic() < deadline, states
+                time.sleep(0.05)
+            assert len(client.generate(prompt="def", max_new_tokens=3, ignore_eos=True).token_ids) == 3  # the other serves
+            while sorted(r.state for r in client.info().replicas if r.role == "target") != ["serving", "serving"]:
+                assert time.monotonic() < deadline, "the killed replica was not restarted"
+                time.sleep(0.2)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def replica_pid(parent: int, port: int) -> int:
+    """The pid of `parent`'s child serving on `port`, from the command lines."""
+    for pid in subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split():
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"serve" in command and command[command.index(b"--port") + 1] == str(port).encode():
+            return int(pid)
+    raise AssertionError(f"no child of {parent} serves on {port}")
