@@ -18,6 +18,8 @@ from typing import Any, cast
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 
+from specwire import attention_probe
+from specwire.entropy_metrics import PositionMetrics, token_entropy
 from specwire.errors import InvalidArgument, check_token_ids
 from specwire.processing import (
     ProcessingConfig,
@@ -153,7 +155,7 @@ class Engine:
             tokenizer_fingerprint=self._fingerprint,
             eos_token_ids=self.lm.eos_token_ids,
             max_context=self.lm.max_context,
-            capabilities=["session", "propose", "branches"],
+            capabilities=["session", "propose", "branches", "entropy", "attention_stats"],
             role=self.role,
             tokenizer_source=self.lm.tokenizer_source,
             device=str(self.lm.device),
@@ -204,6 +206,7 @@ class EngineSession:
         self.cached = 0  # leading positions held in the KV cache
         self.processing = ProcessingConfig()
         self.forward_calls = 0
+        self.metrics: PositionMetrics | None = None  # the extras of the last scored step
 
     @property
     def num_branches(self) -> int:
@@ -319,7 +322,7 @@ class EngineSession:
         if not 1 <= positions <= self.length:
             raise InvalidArgument("scoring.positions", f"must be in [1, {self.length}], got {positions}")
         score_ids = self._score_ids(scoring)  # checked before paying for a forward pass
-        logits = self._forward(positions)  # [branches, positions, vocab]
+        logits = self._forward_measured(positions, scoring)  # [branches, positions, vocab]
         per_position = []
         for j in range(positions):
             history = self.tokens[:, : self.length - positions + j + 1].to(logits.device)
@@ -338,6 +341,16 @@ class EngineSession:
             ids = score_ids.to(torch.int32).expand(values.shape[0], -1)
             return Scores(scoring.kind, sparse_ids=ids, sparse_values=values.to(dtype))
         return _encode_top(scoring.kind, processed, scoring.top_n, dtype)
+
+    def _forward_measured(self, positions: int, scoring: Scoring) -> torch.Tensor:
+        """`_forward`, and the extras `scoring` asks for from the same pass into `self.metrics`."""
+        extras = scoring.extras
+        with attention_probe.capture(self.lm.model, positions if extras.attention_stats else 0) as probe:
+            logits = self._forward(positions)
+        if extras.wanted:
+            entropy, varentropy = token_entropy(logits.flatten(0, 1))  # raw logits, [branches·positions]
+            self.metrics = PositionMetrics(entropy, varentropy, probe.stats if probe is not None else None)
+        return logits
 
     def _score_ids(self, scoring: Scoring) -> torch.Tensor | None:
         """`scoring.score_ids` as an index, or None when every id (or the top_n) is wanted."""
@@ -394,7 +407,10 @@ class EngineSession:
 
     def _finish(self, scoring: Scoring, propose: int, greedy: bool, seed: int, min_confidence: float) -> StepResult:
         calls_before = self.forward_calls
+        self.metrics = None
         scores = self._score(scoring)
+        if scores is not None:
+            scores.metrics = self.metrics
         proposed, proposal_scores = None, None
         if propose > 0:
             self._check_length(self.length + propose, "propose")
