@@ -21,6 +21,7 @@ from specwire.orchestrator import params as request_params
 from specwire.orchestrator.beam import beam_search
 from specwire.orchestrator.context import BeamSequence, DecodeContext
 from specwire.orchestrator.contrastive import contrastive
+from specwire.orchestrator.entropix_strategy import entropix
 from specwire.orchestrator.models import ModelHandle
 from specwire.orchestrator.output import Output
 from specwire.orchestrator.params import GenerationParams, Limits
@@ -44,6 +45,7 @@ STRATEGIES: dict[str, Strategy] = {
     "beam": beam_search,
     "contrastive": contrastive,
     "speculative": speculative,
+    "entropix": entropix,
 }
 
 

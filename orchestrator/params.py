@@ -9,12 +9,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from specwire.orchestrator.entropix import CONFIG_FIELDS, EntropixConfig, check_config
 from specwire.v1 import orchestrator_pb2
 
 from specwire.errors import InvalidArgument, check_token_ids
 from specwire.processing import ProcessingConfig
 
-STRATEGIES = ("greedy", "sample", "beam", "speculative", "contrastive")
+STRATEGIES = ("greedy", "sample", "beam", "speculative", "contrastive", "entropix")
 MAX_BEAMS = 32
 MAX_SPECULATIVE_TOKENS = 64
 MAX_STOP_STRINGS = 16
@@ -48,6 +49,7 @@ class GenerationParams:
     cd_alpha: float = 0.1
     cd_beta: float = 0.5
     amateur_temperature: float = 1.0
+    entropix: EntropixConfig | None = None
     # Tokens are drawn at random (else argmax): strategy "sample", or speculative / contrastive
     # with a sampling warper set; temperature 0 always means argmax.
     do_sample: bool = False
@@ -87,13 +89,15 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new}) exceeds the model context of {limits.max_context}",
         )
 
-    temperature = _finite(_opt(request, "temperature", 1.0), "temperature")
+    # Entropix's base warpers default to the reference's values.
+    base = EntropixConfig() if strategy == "entropix" else None
+    temperature = _finite(_opt(request, "temperature", base.temperature if base else 1.0), "temperature")
     if temperature < 0:
         raise InvalidArgument("temperature", f"must be ≥ 0, got {temperature}")
-    top_k = int(_opt(request, "top_k", 0))
+    top_k = int(_opt(request, "top_k", base.top_k if base else 0))
     if top_k < 0:
         raise InvalidArgument("top_k", f"must be ≥ 0 (0 = off), got {top_k}")
-    top_p = _finite(_opt(request, "top_p", 1.0), "top_p")
+    top_p = _finite(_opt(request, "top_p", base.top_p if base else 1.0), "top_p")
     if not 0 < top_p <= 1:
         raise InvalidArgument("top_p", f"must be in (0, 1], got {top_p}")
     min_p = _finite(_opt(request, "min_p", 0.0), "min_p")
@@ -148,6 +152,7 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     sampling_asked = strategy == "sample" or (
         strategy in ("speculative", "contrastive") and any(request.HasField(name) for name in sampling_fields)
     )
+    entropix = entropix_config(request, temperature, top_k, top_p, min_p, limits.vocab_size) if base else None
     if strategy == "beam" and any(request.HasField(name) for name in sampling_fields):
         raise InvalidArgument("temperature", "beam search here is deterministic; sampling warpers do not apply")
     processing = ProcessingConfig(
@@ -158,6 +163,8 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
         top_p=top_p,
         min_p=min_p,
     )
+    if entropix is not None:  # the policy warps on the orchestrator; the target only applies penalties
+        processing = ProcessingConfig(repetition_penalty=repetition_penalty, no_repeat_ngram_size=ngram)
     return GenerationParams(
         strategy=strategy,
         max_new_tokens=max_new,
@@ -175,5 +182,22 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
         cd_alpha=cd_alpha,
         cd_beta=cd_beta,
         amateur_temperature=amateur_t,
+        entropix=entropix,
         do_sample=sampling_asked and temperature > 0,
     )
+
+
+def entropix_config(
+    request: orchestrator_pb2.GenerateRequest, temperature: float, top_k: int, top_p: float, min_p: float, vocab_size: int
+) -> EntropixConfig:
+    """The request's `entropix` fields over the reference's defaults, every one checked."""
+    message = request.entropix
+    values: dict[str, float] = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
+    for name in CONFIG_FIELDS:
+        if name not in values and message.HasField(name):
+            values[name] = getattr(message, name)
+    config = EntropixConfig(**values)  # type: ignore[arg-type]
+    for name, problem in check_config(config, vocab_size):
+        base_field = name in ("temperature", "top_k", "top_p", "min_p")
+        raise InvalidArgument(name if base_field else f"entropix.{name}", problem)
+    return config
