@@ -15,6 +15,13 @@ in a freshly shuffled order, so drifting machine load spreads over all of them):
   (c) `specwire_greedy`            target-only greedy through the orchestrator over gRPC;
   (d) `specwire_speculative`       speculative with the draft model over gRPC, γ;
       `specwire_speculative_ngram` speculative with the n-gram drafter (a second stack).
+  (e) `specwire_sample`            target-only sampling at entropix's base warpers (T 0.666, top-p
+                                   0.9, top-k 27), seeded, gRPC;
+      `specwire_entropix`          entropy-adaptive sampling (reference defaults), seeded, gRPC.
+      The (e) rows sample, so they are not compared with (a)'s tokens. `entropix_metrics_cost` in
+      the metadata times, in-process and interleaved, one cached target step scoring the top 100
+      logits with and without the entropix metrics (`Scoring.extras`): the metrics' cost as a
+      share of the target's forward.
 
 Every row decodes greedily and ignores end-of-sequence (transformers: `eos_token_id=None`;
 specwire: `ignore_eos`), so every row generates exactly `max_new_tokens` tokens per prompt, and
@@ -86,7 +93,11 @@ ROWS = [
     RowSpec("specwire_greedy", "specwire", "specwire greedy, target only, gRPC"),
     RowSpec("specwire_speculative", "specwire", "specwire speculative, draft model, γ, gRPC"),
     RowSpec("specwire_speculative_ngram", "specwire", "specwire speculative, n-gram drafter, γ, gRPC"),
+    RowSpec("specwire_sample", "specwire_sampled", "specwire sampling at entropix's base warpers, seeded, gRPC"),
+    RowSpec("specwire_entropix", "specwire_sampled", "specwire entropix (entropy-adaptive), seeded, gRPC"),
 ]
+# Entropix's base warpers (the reference's defaults), for a like-for-like sampling row.
+BASE_WARPERS = {"temperature": 0.666, "top_p": 0.9, "top_k": 27}
 ROW_NAMES = [row.name for row in ROWS]
 
 
@@ -311,6 +322,8 @@ def specwire_sample(client: Any, strategy: str, prompt_ids: list[int], max_new_t
     params: dict[str, Any] = {"strategy": strategy, "max_new_tokens": max_new_tokens, "ignore_eos": True}
     if strategy == "speculative":
         params["num_speculative_tokens"] = gamma
+    if strategy in ("sample", "entropix"):
+        params |= BASE_WARPERS | {"seed": len(prompt_ids)}
     started = time.perf_counter()
     result = client.generate(prompt_ids=prompt_ids, **params)
     seconds = time.perf_counter() - started
@@ -334,6 +347,30 @@ def specwire_sample(client: Any, strategy: str, prompt_ids: list[int], max_new_t
     )
 
 
+def entropix_metrics_cost(config: BenchConfig, context: int = 64, steps: int = 60) -> dict[str, float]:
+    """Median time of one cached target step (append a token, score the top 100 logits) with and
+    without the entropix metrics, interleaved in-process; cost = (with − without) / without."""
+    from specwire.engine import CausalLM, EngineSession
+    from specwire.session import Extras, OpenRequest, ScoreKind, Scoring, StepRequest
+
+    lm = CausalLM.load(config.target_model, device=config.device, dtype=config.dtype)
+    plain = Scoring(ScoreKind.LOGITS, top_n=100)
+    measured = Scoring(ScoreKind.LOGITS, top_n=100, extras=Extras(True, True, True))
+    prompt = [(7 * i + 3) % lm.vocab_size for i in range(context)]
+    sessions = {"plain": EngineSession(lm), "measured": EngineSession(lm)}
+    for session in sessions.values():
+        session.open(OpenRequest(prompt, scoring=plain))
+    times: dict[str, list[float]] = {"plain": [], "measured": []}
+    for step in range(steps):
+        for name in (("plain", "measured") if step % 2 else ("measured", "plain")):
+            scoring = measured if name == "measured" else plain
+            started = time.perf_counter()
+            sessions[name].step(StepRequest(append_ids=[(11 * step) % lm.vocab_size], scoring=scoring))
+            times[name].append((time.perf_counter() - started) * 1e3)
+    without, with_metrics = statistics.median(times["plain"]), statistics.median(times["measured"])
+    return {"step_ms": without, "step_with_metrics_ms": with_metrics, "cost": (with_metrics - without) / without}
+
+
 # -- aggregation --------------------------------------------------------------------------------
 
 
@@ -350,7 +387,7 @@ def _paired_ratio(row: RowResult, base: RowResult | None) -> float | None:
 
 
 def _matches(row: RowResult, reference: RowResult | None) -> float | None:
-    if reference is None or reference.error or row.error:
+    if reference is None or reference.error or row.error or row.spec.group == "specwire_sampled":
         return None
     pairs = [
         (ours.token_ids, theirs.token_ids)
@@ -480,7 +517,7 @@ def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple
     """The model-drafter stack and the n-gram stack, started in parallel; errors by stack name."""
     stack_configs: dict[str, StackConfig] = {}
     common = StackConfig(target_model=config.target_model, device=config.device, dtype=config.dtype)
-    if needed & {"specwire_greedy", "specwire_speculative"}:
+    if needed & {"specwire_greedy", "specwire_speculative", "specwire_sample", "specwire_entropix"}:
         port = config.port or free_base_port()
         stack_configs["model"] = replace(common, port=port, draft_model=config.draft_model, drafter="model")
     if "specwire_speculative_ngram" in needed:
@@ -538,7 +575,8 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             stack = "ngram" if row == "specwire_speculative_ngram" else "model"
             if stack in stack_errors:
                 raise RuntimeError(f"the {stack} stack did not start: {stack_errors[stack]}")
-            strategy = "greedy" if row == "specwire_greedy" else "speculative"
+            strategies = {"specwire_greedy": "greedy", "specwire_sample": "sample", "specwire_entropix": "entropix"}
+            strategy = strategies.get(row, "speculative")
             return specwire_sample(clients[stack], strategy, ids, max_new_tokens, config.gamma)
 
         def attempt(result: RowResult, ids: list[int], max_new_tokens: int) -> Sample | None:
@@ -549,6 +587,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
                 return None
 
         forwards = hf.single_forward_ms()
+        metrics_cost = entropix_metrics_cost(config) if "specwire_entropix" in config.rows else None
         order_log: list[list[str]] = []
         total = len(specs) * (config.repeats * len(prompt_ids) + (1 if config.warmup else 0))
         with tqdm(total=total, desc="bench", unit="gen", disable=not config.show_progress, file=sys.stderr) as bar:
@@ -574,12 +613,13 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         for result in results.values():
             if result.error:
                 result.samples = []
-        metadata = {
+        metadata: dict[str, Any] = {
             "schema": SCHEMA,
             "target_model": config.target_model,
             "draft_model": config.draft_model,
             "parameters": hf.parameters(),
             "single_forward": forwards,
+            "entropix_metrics_cost": metrics_cost,
             "prompts": len(config.prompts),
             "prompt_tokens": [len(ids) for ids in prompt_ids],
             "max_new_tokens": config.max_new_tokens,
