@@ -19,9 +19,9 @@ in a freshly shuffled order, so drifting machine load spreads over all of them):
                                    0.9, top-k 27), seeded, gRPC;
       `specwire_entropix`          entropy-adaptive sampling (reference defaults), seeded, gRPC.
       The (e) rows sample, so they are not compared with (a)'s tokens. `entropix_metrics_cost` in
-      the metadata times, in-process and interleaved, one cached target step scoring the top 100
-      logits with and without the entropix metrics (`Scoring.extras`): the metrics' cost as a
-      share of the target's forward.
+      the metadata times (thread CPU time, one torch thread), in-process and interleaved, one
+      cached target step scoring the top 100 logits with and without the entropix metrics
+      (`Scoring.extras`): the metrics' cost as a share of the target's step.
 
 Every row decodes greedily and ignores end-of-sequence (transformers: `eos_token_id=None`;
 specwire: `ignore_eos`), so every row generates exactly `max_new_tokens` tokens per prompt, and
@@ -347,9 +347,13 @@ def specwire_sample(client: Any, strategy: str, prompt_ids: list[int], max_new_t
     )
 
 
-def entropix_metrics_cost(config: BenchConfig, context: int = 64, steps: int = 60) -> dict[str, float]:
+def entropix_metrics_cost(config: BenchConfig, context: int = 64, steps: int = 200) -> dict[str, float]:
     """Median time of one cached target step (append a token, score the top 100 logits) with and
-    without the entropix metrics, interleaved in-process; cost = (with − without) / without."""
+    without the entropix metrics, interleaved in-process on one torch thread, by the thread's CPU
+    time (wall time on a shared machine measures the neighbours); cost = (with − without) / without.
+    On a GPU, CUDA time would be the figure; this is for CPU runs."""
+    import torch
+
     from specwire.engine import CausalLM, EngineSession
     from specwire.session import Extras, OpenRequest, ScoreKind, Scoring, StepRequest
 
@@ -359,14 +363,19 @@ def entropix_metrics_cost(config: BenchConfig, context: int = 64, steps: int = 6
     prompt = [(7 * i + 3) % lm.vocab_size for i in range(context)]
     sessions = {"plain": EngineSession(lm), "measured": EngineSession(lm)}
     for session in sessions.values():
-        session.open(OpenRequest(prompt, scoring=plain))
+        session.open(OpenRequest(prompt, scoring=measured))
     times: dict[str, list[float]] = {"plain": [], "measured": []}
-    for step in range(steps):
-        for name in (("plain", "measured") if step % 2 else ("measured", "plain")):
-            scoring = measured if name == "measured" else plain
-            started = time.perf_counter()
-            sessions[name].step(StepRequest(append_ids=[(11 * step) % lm.vocab_size], scoring=scoring))
-            times[name].append((time.perf_counter() - started) * 1e3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for step in range(steps):
+            for name in ("plain", "measured") if step % 2 else ("measured", "plain"):
+                scoring = measured if name == "measured" else plain
+                started = time.thread_time()
+                sessions[name].step(StepRequest(append_ids=[(11 * step) % lm.vocab_size], scoring=scoring))
+                times[name].append((time.thread_time() - started) * 1e3)
+    finally:
+        torch.set_num_threads(threads)
     without, with_metrics = statistics.median(times["plain"]), statistics.median(times["measured"])
     return {"step_ms": without, "step_with_metrics_ms": with_metrics, "cost": (with_metrics - without) / without}
 
@@ -700,6 +709,12 @@ def markdown_table(report: dict[str, Any]) -> str:
     best = next((r["best_hf_assisted_row"] for r in report["rows"] if r["best_hf_assisted_row"]), None)
     lines.append("")
     lines.append(f"best HF assisted row: {best or '–'}; took {meta['duration_s']:.0f} s")
+    cost = meta.get("entropix_metrics_cost")
+    if cost:
+        lines.append(
+            f"entropix metrics: one cached target step {cost['step_ms']:.2f} ms CPU without, "
+            f"{cost['step_with_metrics_ms']:.2f} ms with them (+{100 * cost['cost']:.1f}%)"
+        )
     return "\n".join(lines)
 
 

@@ -30,20 +30,25 @@ from specwire.entropy_metrics import AttentionStats, attention_scores, attention
 PROBE_IMPLEMENTATION = "specwire_probe"
 
 
-def valid_keys(mask: torch.Tensor | None, batch: int, q_len: int, k_len: int, positions: int) -> torch.Tensor:
-    """[batch, positions, k_len] bool: which keys each of the last `positions` queries attends to."""
+def valid_keys(
+    mask: torch.Tensor | None, batch: int, q_len: int, k_len: int, positions: int, device: torch.device
+) -> torch.Tensor | None:
+    """[batch, positions, k_len] bool: which keys each of the last `positions` queries attends
+    to; None when that is every key (the last query alone, no mask: a plain decode step)."""
+    if mask is None and positions == 1:
+        return None
     offset = k_len - q_len  # query i sits at absolute position offset + i
-    query_pos = torch.arange(q_len - positions, q_len) + offset  # [positions]
-    causal = torch.arange(k_len).unsqueeze(0) <= query_pos.unsqueeze(1)  # [positions, k_len]
+    query_pos = torch.arange(q_len - positions, q_len, device=device) + offset  # [positions]
+    causal = torch.arange(k_len, device=device).unsqueeze(0) <= query_pos.unsqueeze(1)  # [positions, k_len]
     causal = causal.expand(batch, -1, -1)
     if mask is None:
         return causal
     if mask.dim() == 2:  # [batch, k_len] padding mask (flash kernels)
-        return causal & mask.bool().cpu()[:, None, -k_len:]
+        return causal & mask.bool()[:, None, -k_len:]
     rows = mask[:, 0, -positions:, -k_len:]  # [batch or 1, positions, k_len]
     if rows.dtype != torch.bool:
         rows = torch.isfinite(rows) & (rows > torch.finfo(rows.dtype).min / 2)
-    return rows.cpu().expand(batch, -1, -1)
+    return rows.expand(batch, -1, -1)
 
 
 class AttentionProbe:
@@ -76,9 +81,9 @@ class AttentionProbe:
         positions = min(self.positions, q_len)
         scale = scaling if scaling is not None else head_dim**-0.5
         scores = attention_scores(query[:, :, -positions:], key, scale)  # [batch, heads, positions, k_len]
-        valid = valid_keys(mask, batch, q_len, key.shape[2], positions).to(scores.device)
+        valid = valid_keys(mask, batch, q_len, key.shape[2], positions, scores.device)
         rows = scores.transpose(1, 2).flatten(0, 1)  # [batch·positions, heads, k_len]
-        self.stats = attention_stats(rows, valid.flatten(0, 1))
+        self.stats = attention_stats(rows, valid.flatten(0, 1) if valid is not None else None)
 
 
 def _probe_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

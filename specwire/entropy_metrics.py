@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 LOG2_E = 1.4426950408889634  # log₂(x) = ln(x) · log₂(e)
+MIN_LOG2 = -1e4  # log p below this is p = 0 in float32 (and keeps 0 · log 0 at 0, not NaN)
 
 
 @dataclass
@@ -41,48 +42,48 @@ class AttentionStats:
 def token_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Entropy and varentropy (bits) of softmax(logits). logits: [..., vocab] → two [...] float32.
 
-    H = −Σ p log₂ p; V = Σ p (log₂ p + H)². −inf logits (masked ids) contribute 0.
+    H = −Σ p log₂ p; V = Σ p (log₂ p + H)², computed in nats and converted (× log₂e, × log₂²e).
+    −inf logits (masked ids) contribute 0: log p is clamped at −10⁴, where float32 p is 0 already.
     """
-    log_p = torch.log_softmax(logits.float(), dim=-1) * LOG2_E  # [..., vocab], log₂ p
-    p = log_p.exp2()
-    plogp = torch.where(p > 0, p * log_p, torch.zeros_like(p))
-    entropy = -plogp.sum(dim=-1)  # [...]
-    deviation = torch.where(p > 0, log_p + entropy.unsqueeze(-1), torch.zeros_like(p))
-    varentropy = (p * deviation.square()).sum(dim=-1)
-    return entropy, varentropy
+    ln_p = torch.log_softmax(logits.float(), dim=-1).clamp(min=MIN_LOG2)  # [..., vocab], natural log
+    p = ln_p.exp()
+    entropy = -(p * ln_p).sum(dim=-1, keepdim=True)  # [..., 1], nats
+    varentropy = (p * (ln_p + entropy).square()).sum(dim=-1)  # nats²
+    return entropy.squeeze(-1) * LOG2_E, varentropy * (LOG2_E * LOG2_E)
 
 
 def attention_scores(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-    """s = q kᵀ · scaling, with grouped key heads repeated to the query heads.
+    """s = q kᵀ · scaling; query head h reads key head h // (heads / kv_heads) (grouped attention).
 
     query: [batch, heads, q_len, d]; key: [batch, kv_heads, k_len, d] → [batch, heads, q_len, k_len] float32.
     """
-    groups = query.shape[1] // key.shape[1]
-    key = key.float().repeat_interleave(groups, dim=1)  # [batch, heads, k_len, d]
-    return torch.matmul(query.float(), key.transpose(-1, -2)) * scaling
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.float().reshape(batch, kv_heads, (heads // kv_heads) * q_len, dim)  # heads of a group stacked
+    scores = torch.matmul(grouped, key.float().transpose(-1, -2)) * scaling  # [batch, kv_heads, g·q_len, k_len]
+    return scores.reshape(batch, heads, q_len, key.shape[2])
 
 
-def attention_stats(scores: torch.Tensor, valid: torch.Tensor) -> AttentionStats:
+def attention_stats(scores: torch.Tensor, valid: torch.Tensor | None) -> AttentionStats:
     """The module docstring's four statistics per query, over the keys `valid` allows.
 
-    scores: [rows, heads, keys] pre-softmax; valid: [rows, keys] bool (at least one True per row).
+    scores: [rows, heads, keys] pre-softmax; valid: [rows, keys] bool (at least one True per row),
+    or None when every key is attended to (one decode step without padding).
     """
-    valid3 = valid.unsqueeze(1)  # [rows, 1, keys]
-    masked = scores.masked_fill(~valid3, float("-inf"))
-    log_p = torch.log_softmax(masked, dim=-1) * LOG2_E  # [rows, heads, keys]
-    p = log_p.exp2()
-    head_entropy = -torch.where(valid3, p * log_p, torch.zeros_like(p)).sum(dim=-1)  # [rows, heads]
-    keys = valid.sum(dim=-1).float()  # [rows]
     heads = scores.shape[1]
-    mean_p = p.mean(dim=1, keepdim=True)  # [rows, 1, keys]
-    agreement = (p - mean_p).abs().sum(dim=(1, 2)) / (heads * keys)
-    strength = torch.where(valid3, scores.abs(), torch.zeros_like(scores)).sum(dim=(1, 2)) / (heads * keys)
-    return AttentionStats(
-        entropy=head_entropy.mean(dim=-1),
-        varentropy=head_entropy.var(dim=-1, correction=0),
-        agreement=agreement,
-        interaction_strength=strength,
-    )
+    if valid is None:
+        keys: torch.Tensor | int = scores.shape[-1]
+        strength = scores.abs().mean(dim=(1, 2))  # [rows]
+    else:
+        keys = valid.sum(dim=-1)  # [rows]
+        strength = (scores.abs() * valid.unsqueeze(1)).sum(dim=(1, 2)) / (heads * keys)
+        scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    log_p = (torch.log_softmax(scores, dim=-1) * LOG2_E).clamp(min=MIN_LOG2)  # [rows, heads, keys]
+    p = log_p.exp2()  # masked keys: 0 in every head, so they add nothing below
+    head_entropy = -(p * log_p).sum(dim=-1)  # [rows, heads]
+    agreement = (p - p.mean(dim=1, keepdim=True)).abs().sum(dim=(1, 2)) / (heads * keys)
+    varentropy, entropy = torch.var_mean(head_entropy, dim=-1, correction=0)
+    return AttentionStats(entropy=entropy, varentropy=varentropy, agreement=agreement, interaction_strength=strength)
 
 
 @dataclass
