@@ -29,7 +29,7 @@ GENERATION_FLAGS: list[tuple[str, Any, str]] = [
     ("--num-beams", int, "beams for --strategy beam / contrastive"),
     ("--length-penalty", float, "beam score = sum log p / length^length_penalty"),
     ("--num-return-sequences", int, "beam hypotheses to return (≤ num_beams)"),
-    ("--num-speculative-tokens", int, "γ: draft tokens per speculative round"),
+    ("--num-speculative-tokens", int, "γ: draft tokens per speculative round (with entropix: speculate)"),
     ("--draft-confidence-threshold", float, "draft stops proposing below this top probability"),
     ("--cd-alpha", float, "contrastive plausibility cut-off α"),
     ("--cd-beta", float, "O'Brien & Lewis contrast weight β"),

@@ -14,6 +14,9 @@ States, checked in the reference's order (`classify`):
   resample  H > 5.0 and V > 5.0: lost, unevenly;
   adaptive  otherwise: n candidates at warpers set from the combined uncertainty, best kept.
 
+`choose_column` draws a token the way a state says; `policy_distribution` is the distribution
+that draw follows (for speculation verified under the policy, `orchestrator.entropix_strategy`).
+
 Where the reference's code deviates from its stated intent, this implements the intent:
 1. Nucleus (top-p): the reference flips the top-k probabilities to ascending order before the
    cumulative sum, so its mask drops the *most* likely tokens; here the kept set is the shortest
@@ -249,7 +252,8 @@ def candidate_score(log_p: float, m: Metrics, c: EntropixConfig) -> float:
 
 def choose_column(logits: torch.Tensor, d: Decision, m: Metrics, c: EntropixConfig, generator: torch.Generator) -> int:
     """A column of `logits` ([n], descending) under decision `d`: the argmax, one draw, or the
-    best-scored of `d.samples` independent draws (score: `candidate_score` on the raw log p)."""
+    best-scored of `d.samples` independent draws (score: `candidate_score` on log p; the score
+    falls with the column, so ties go to the lower column)."""
     if d.state == "argmax":
         return 0
     probs = warp(logits, d)
@@ -257,8 +261,22 @@ def choose_column(logits: torch.Tensor, d: Decision, m: Metrics, c: EntropixConf
     if d.samples == 1:
         return int(draws[0])
     log_p = torch.log_softmax(logits.float(), dim=-1)  # the shift from absent columns is shared
-    scores = [candidate_score(float(log_p[i]), m, c) for i in draws]
-    return int(draws[max(range(len(draws)), key=scores.__getitem__)])
+    return int(max(draws, key=lambda column: (candidate_score(float(log_p[column]), m, c), -column)))
+
+
+def policy_distribution(logits: torch.Tensor, d: Decision) -> torch.Tensor:
+    """The distribution `choose_column` draws from, over the columns: one-hot on column 0 for
+    argmax; W = `warp` for one draw; for the best of n draws from W (the lowest column drawn),
+    P(j) = T(j)ⁿ − T(j+1)ⁿ with T(j) = Σ_{i ≥ j} W(i), the chance that no draw lands before j
+    less the chance that none lands on or before j. logits: [n] descending → [n]."""
+    if d.state == "argmax":
+        return torch.nn.functional.one_hot(torch.tensor(0), logits.shape[0]).float()
+    probs = warp(logits, d)  # [n]
+    if d.samples == 1:
+        return probs
+    tail = probs.flip(0).cumsum(0).flip(0).clamp(max=1.0)  # [n], T(j)
+    after = torch.cat([tail[1:], tail.new_zeros(1)])  # T(j+1)
+    return (tail.double() ** d.samples - after.double() ** d.samples).float()
 
 
 # Bounds per field: (low, high, low inclusive, high inclusive); integers where the default is one.

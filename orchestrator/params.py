@@ -50,6 +50,8 @@ class GenerationParams:
     cd_beta: float = 0.5
     amateur_temperature: float = 1.0
     entropix: EntropixConfig | None = None
+    # Entropix verifying a draft's proposals (num_speculative_tokens given with strategy entropix).
+    entropix_speculative: bool = False
     # Tokens are drawn at random (else argmax): strategy "sample", or speculative / contrastive
     # with a sampling warper set; temperature 0 always means argmax.
     do_sample: bool = False
@@ -183,6 +185,7 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
         cd_beta=cd_beta,
         amateur_temperature=amateur_t,
         entropix=entropix,
+        entropix_speculative=entropix is not None and request.HasField("num_speculative_tokens"),
         do_sample=sampling_asked and temperature > 0,
     )
 

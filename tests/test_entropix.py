@@ -3,6 +3,7 @@ intent; the strategy is seeded, traced, and its trace over gRPC equals an eager 
 
 from __future__ import annotations
 
+import asyncio
 import math
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import grpc
 import pytest
 import torch
 from specwire.client import Client
-from specwire.client.sdk import GenerationError
+from specwire.client.sdk import GenerationError, build_request
 from specwire.orchestrator.entropix import (
     Decision,
     EntropixConfig,
@@ -19,10 +20,17 @@ from specwire.orchestrator.entropix import (
     choose_column,
     classify,
     decide,
+    policy_distribution,
     warp,
 )
+from specwire.orchestrator.entropix_strategy import EXTRAS, policy_row
+from specwire.orchestrator.generation import Decoder
+from specwire.orchestrator.models import LocalModel
 
+from specwire.engine import EngineSession, load_tokenizer
 from specwire.entropy_metrics import token_entropy
+from specwire.session import OpenRequest, ScoreKind, Scoring
+from tests.conftest import load_engine
 from tests.harness import Stack
 from tests.test_entropy_metrics import eager_model, reference_metrics
 
@@ -165,3 +173,103 @@ def test_bad_entropix_parameters_are_invalid_argument(llama_stack: Stack, params
         Client(llama_stack.address).generate(prompt="x", strategy="entropix", max_new_tokens=2, **params)
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.message.startswith(field)
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor, draws: int) -> tuple[float, int]:
+    """Pearson's statistic over bins expecting ≥ 5 draws (the rest pooled) and its degrees of freedom."""
+    expected = probs.double() * draws
+    big = expected >= 5
+    observed = torch.cat([counts.double()[big], counts.double()[~big].sum().reshape(1)])
+    wanted = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    keep = wanted > 0
+    observed, wanted = observed[keep], wanted[keep]
+    return float(((observed - wanted) ** 2 / wanted).sum()), int(keep.sum()) - 1
+
+
+# χ² critical values at p = 0.001 by degrees of freedom (Wilson–Hilferty for the larger ones).
+def chi_square_critical(dof: int) -> float:
+    z = 3.0902  # the normal's 0.999 quantile
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+@pytest.mark.parametrize("samples", [1, 5])
+def test_policy_distribution_is_what_choose_column_draws(samples: int) -> None:
+    logits = torch.linspace(3.0, -3.0, 12)
+    decision = Decision("adaptive" if samples > 1 else "branch", 1.3, 0.95, 10, 0.02, samples=samples)
+    m = metrics_of(logits)
+    generator = torch.Generator().manual_seed(5)
+    draws = 20000
+    counts = torch.bincount(torch.tensor([choose_column(logits, decision, m, CONFIG, generator) for _ in range(draws)]),
+                            minlength=12)
+    policy = policy_distribution(logits, decision)
+    assert float(policy.sum()) == pytest.approx(1.0, abs=1e-6)
+    statistic, dof = chi_square(counts, policy, draws)
+    assert statistic < chi_square_critical(dof)
+    if samples > 1:  # negative control: best-of-n is not the warped distribution itself
+        wrong, dof = chi_square(counts, warp(logits, decision), draws)
+        assert wrong > chi_square_critical(dof)
+
+
+@pytest.fixture(scope="module")
+def pair_decoder(llama_target_dir: Path, llama_draft_dir: Path) -> Decoder:
+    tokenizer = load_tokenizer(str(llama_target_dir))
+    assert tokenizer is not None
+    return Decoder(LocalModel(load_engine(llama_target_dir, "target"), "target"),
+                   LocalModel(load_engine(llama_draft_dir, "draft"), "draft"), tokenizer)
+
+
+PAIR_PROMPT = [5, 17, 42, 8]
+
+
+def test_speculative_entropix_all_argmax_equals_greedy(pair_decoder: Decoder) -> None:
+    always_argmax = {"argmax_entropy": 1000.0, "argmax_varentropy": 1000.0}
+    common = {"prompt_ids": PAIR_PROMPT, "max_new_tokens": 16, "ignore_eos": True}
+    greedy = asyncio.run(pair_decoder.generate(build_request(strategy="greedy", **common)))  # type: ignore[arg-type]
+    speculative = asyncio.run(pair_decoder.generate(build_request(
+        strategy="entropix", num_speculative_tokens=3, entropix=always_argmax, seed=1, **common)))  # type: ignore[arg-type]
+    assert speculative.token_ids == greedy.token_ids
+    assert speculative.stats.drafted_tokens > 0 and speculative.stats.entropix_states == {"argmax": 16}
+
+
+def test_speculative_entropix_is_seeded_and_traced(pair_decoder: Decoder) -> None:
+    request = build_request(prompt_ids=PAIR_PROMPT, strategy="entropix", num_speculative_tokens=3, max_new_tokens=12,
+                            ignore_eos=True, seed=4)
+    first, again = (asyncio.run(pair_decoder.generate(request)) for _ in range(2))
+    assert first.token_ids == again.token_ids and first.stats.decisions == again.stats.decisions
+    assert len(first.stats.decisions) == len(first.token_ids) == 12 and first.stats.drafted_tokens > 0
+
+
+def test_speculative_entropix_keeps_the_policys_distribution(pair_decoder: Decoder, llama_target_dir: Path) -> None:
+    """The first token of γ = 1 rounds (an accepted draft or a correction) follows the policy's
+    distribution at the prompt's last position, computed target-only."""
+    session = EngineSession(pair_decoder.target.backend.lm)  # type: ignore[attr-defined]
+    config = EntropixConfig()
+    scoring = Scoring(ScoreKind.LOGITS, top_n=config.columns(), extras=EXTRAS)
+    opened = session.open(OpenRequest(PAIR_PROMPT, scoring=scoring))
+    vocab = pair_decoder.target.info.vocab_size
+    policy, decision, _ = policy_row(config, opened, 0, PAIR_PROMPT[-1], vocab)
+    assert decision.state == "adaptive" and decision.samples == 5  # best-of-n: the hardest case
+    draws = 1500
+    firsts = []
+    for seed in range(draws):
+        request = build_request(prompt_ids=PAIR_PROMPT, strategy="entropix", num_speculative_tokens=1,
+                                max_new_tokens=2, ignore_eos=True, seed=seed)
+        firsts.append(asyncio.run(pair_decoder.generate(request)).token_ids[0])
+    counts = torch.bincount(torch.tensor(firsts), minlength=vocab)
+    statistic, dof = chi_square(counts, policy, draws)
+    assert statistic < chi_square_critical(dof)
+    # Negative control: the same draws against the single-draw warped distribution.
+    ids = opened.scores.sparse_ids[0].long()  # type: ignore[union-attr]
+    single = torch.zeros(vocab)
+    single[ids] = warp(opened.scores.sparse_values[0], decision)  # type: ignore[union-attr]
+    wrong, dof = chi_square(counts, single, draws)
+    assert wrong > chi_square_critical(dof)
+
+
+def test_speculative_entropix_over_grpc_equals_in_process(pair_decoder: Decoder, llama_stack: Stack) -> None:
+    kwargs = {"prompt_ids": PAIR_PROMPT, "strategy": "entropix", "num_speculative_tokens": 2, "max_new_tokens": 10,
+              "ignore_eos": True, "seed": 9}
+    local = asyncio.run(pair_decoder.generate(build_request(**kwargs)))  # type: ignore[arg-type]
+    remote = Client(llama_stack.address).generate(**kwargs)  # type: ignore[arg-type]
+    assert remote.token_ids == local.token_ids
+    assert [d.state for d in remote.decisions] == [d.state for d in local.stats.decisions]
