@@ -17,7 +17,9 @@ in a freshly shuffled order, so drifting machine load spreads over all of them):
       `specwire_speculative_ngram` speculative with the n-gram drafter (a second stack).
   (e) `specwire_sample`            target-only sampling at entropix's base warpers (T 0.666, top-p
                                    0.9, top-k 27), seeded, gRPC;
-      `specwire_entropix`          entropy-adaptive sampling (reference defaults), seeded, gRPC.
+      `specwire_entropix`          entropy-adaptive sampling (reference defaults), seeded, gRPC;
+      `specwire_entropix_speculative` the same policy verifying γ draft tokens per round (its
+                                   speedup is measured over `specwire_entropix`).
       The (e) rows sample, so they are not compared with (a)'s tokens. `entropix_metrics_cost` in
       the metadata times (thread CPU time, one torch thread), in-process and interleaved, one
       cached target step scoring the top 100 logits with and without the entropix metrics
@@ -95,6 +97,7 @@ ROWS = [
     RowSpec("specwire_speculative_ngram", "specwire", "specwire speculative, n-gram drafter, γ, gRPC"),
     RowSpec("specwire_sample", "specwire_sampled", "specwire sampling at entropix's base warpers, seeded, gRPC"),
     RowSpec("specwire_entropix", "specwire_sampled", "specwire entropix (entropy-adaptive), seeded, gRPC"),
+    RowSpec("specwire_entropix_speculative", "specwire_sampled", "specwire entropix verified from draft proposals, γ"),
 ]
 # Entropix's base warpers (the reference's defaults), for a like-for-like sampling row.
 BASE_WARPERS = {"temperature": 0.666, "top_p": 0.9, "top_k": 27}
@@ -317,10 +320,12 @@ class HfRunner:
 # -- specwire over gRPC -------------------------------------------------------------------------
 
 
-def specwire_sample(client: Any, strategy: str, prompt_ids: list[int], max_new_tokens: int, gamma: int) -> Sample:
+def specwire_sample(
+    client: Any, strategy: str, prompt_ids: list[int], max_new_tokens: int, gamma: int, speculate: bool = False
+) -> Sample:
     """One `Generate` through an orchestrator; `client` is a `client.sdk.Client`."""
     params: dict[str, Any] = {"strategy": strategy, "max_new_tokens": max_new_tokens, "ignore_eos": True}
-    if strategy == "speculative":
+    if strategy == "speculative" or speculate:
         params["num_speculative_tokens"] = gamma
     if strategy in ("sample", "entropix"):
         params |= BASE_WARPERS | {"seed": len(prompt_ids)}
@@ -436,15 +441,17 @@ def summarize(results: dict[str, RowResult]) -> list[dict[str, Any]]:
             "matches_hf_target": _matches(result, hf_target),
             "new_tokens_per_repeat": sum(len(s.token_ids) for s in samples) // max(1, len(result.samples)),
         }
-        row |= _speculation_figures(result, samples, hf_target, specwire_greedy)
+        baseline = {"specwire": specwire_greedy, "specwire_sampled": results.get("specwire_entropix")}.get(
+            spec.group, hf_target
+        )
+        row |= _speculation_figures(result, samples, baseline)
         row |= _round_breakdown(samples)
         rows.append(row)
     return rows
 
 
-def _speculation_figures(
-    result: RowResult, samples: list[Sample], hf_target: RowResult | None, specwire_greedy: RowResult | None
-) -> dict[str, Any]:
+def _speculation_figures(result: RowResult, samples: list[Sample], baseline: RowResult | None) -> dict[str, Any]:
+    """Speculation's figures; the measured speedup is over `baseline` (the row's non-speculative twin)."""
     empty = dict.fromkeys(
         ["acceptance_rate", "alpha", "gamma", "cost_ratio_c", "predicted_speedup", "measured_speedup", "efficiency"]
     )
@@ -462,7 +469,6 @@ def _speculation_figures(
     target_ms_per_forward = sum(s.target_compute_ms for s in samples) / target_forwards if target_forwards else 0.0
     cost = draft_ms_per_token / target_ms_per_forward if target_ms_per_forward > 0 else None
     predicted = predicted_speedup(alpha, gamma, cost) if cost is not None else None
-    baseline = specwire_greedy if result.spec.group == "specwire" else hf_target
     measured = _paired_ratio(result, baseline)
     return figures | {
         "acceptance_rate": accepted / drafted,
@@ -526,7 +532,8 @@ def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple
     """The model-drafter stack and the n-gram stack, started in parallel; errors by stack name."""
     stack_configs: dict[str, StackConfig] = {}
     common = StackConfig(target_model=config.target_model, device=config.device, dtype=config.dtype)
-    if needed & {"specwire_greedy", "specwire_speculative", "specwire_sample", "specwire_entropix"}:
+    if needed & {"specwire_greedy", "specwire_speculative", "specwire_sample", "specwire_entropix",
+                 "specwire_entropix_speculative"}:
         port = config.port or free_base_port()
         stack_configs["model"] = replace(common, port=port, draft_model=config.draft_model, drafter="model")
     if "specwire_speculative_ngram" in needed:
@@ -584,9 +591,11 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             stack = "ngram" if row == "specwire_speculative_ngram" else "model"
             if stack in stack_errors:
                 raise RuntimeError(f"the {stack} stack did not start: {stack_errors[stack]}")
-            strategies = {"specwire_greedy": "greedy", "specwire_sample": "sample", "specwire_entropix": "entropix"}
+            strategies = {"specwire_greedy": "greedy", "specwire_sample": "sample", "specwire_entropix": "entropix",
+                          "specwire_entropix_speculative": "entropix"}
             strategy = strategies.get(row, "speculative")
-            return specwire_sample(clients[stack], strategy, ids, max_new_tokens, config.gamma)
+            speculate = row == "specwire_entropix_speculative"
+            return specwire_sample(clients[stack], strategy, ids, max_new_tokens, config.gamma, speculate)
 
         def attempt(result: RowResult, ids: list[int], max_new_tokens: int) -> Sample | None:
             try:
