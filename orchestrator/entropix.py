@@ -171,7 +171,8 @@ def argmax_decision(c: EntropixConfig) -> Decision:
 def branch_decision(m: Metrics, c: EntropixConfig) -> Decision:
     """Low H, high V: T = min(1.5, T₀ · (1.2 + 0.3 · interaction)); top-k widened as agreement
     falls, k = max(5, ⌊k₀ · (1 + 0.5 · (1 − agreement))⌋)."""
-    temperature = min(c.branch_max_temperature, c.temperature * (c.branch_temperature_offset + c.branch_temperature_coefficient * m.interaction_strength))
+    raise_by = c.branch_temperature_offset + c.branch_temperature_coefficient * m.interaction_strength
+    temperature = min(c.branch_max_temperature, c.temperature * raise_by)
     top_k = max(c.branch_min_top_k, int(c.top_k * (1 + c.branch_top_k_coefficient * (1 - m.agreement))))
     return Decision("branch", temperature, c.top_p, top_k, c.min_p)
 
@@ -179,7 +180,8 @@ def branch_decision(m: Metrics, c: EntropixConfig) -> Decision:
 def clarify_decision(m: Metrics, c: EntropixConfig, last_token: int) -> Decision:
     """High H, low V: insert the clarifying token once (when configured and not just inserted);
     otherwise T = min(1.5, T₀ · (1.3 + 0.2 · attention entropy))."""
-    temperature = min(c.clarify_max_temperature, c.temperature * (c.clarify_temperature_offset + c.clarify_temperature_coefficient * m.attn_entropy))
+    raise_by = c.clarify_temperature_offset + c.clarify_temperature_coefficient * m.attn_entropy
+    temperature = min(c.clarify_max_temperature, c.temperature * raise_by)
     insert = c.clarifying_token >= 0 and last_token != c.clarifying_token
     return Decision("clarify", temperature, c.top_p, c.top_k, c.min_p, clarify=insert)
 
@@ -187,24 +189,32 @@ def clarify_decision(m: Metrics, c: EntropixConfig, last_token: int) -> Decision
 def resample_decision(m: Metrics, c: EntropixConfig) -> Decision:
     """High H, high V: T = max(2, T₀ · (2 + 0.5 · attention varentropy)); top-p lowered by
     attention entropy, p = max(0.5, p₀ − 0.2 · attention entropy)."""
-    temperature = max(c.resample_min_temperature, c.temperature * (c.resample_temperature_offset + c.resample_temperature_coefficient * m.attn_varentropy))
+    raise_by = c.resample_temperature_offset + c.resample_temperature_coefficient * m.attn_varentropy
+    temperature = max(c.resample_min_temperature, c.temperature * raise_by)
     top_p = max(c.resample_min_top_p, c.top_p - c.resample_top_p_coefficient * m.attn_entropy)
     return Decision("resample", temperature, top_p, c.top_k, c.min_p)
 
 
 def adaptive_decision(m: Metrics, c: EntropixConfig) -> Decision:
     """Otherwise, with U_logits = H + V and U_attn = attention entropy + attention varentropy:
-    T = T₀ (1 + 0.3 U_logits + 0.2 U_attn − 0.2 agreement); p = clip(p₀ (1 + 0.1 attn. varentropy), 0.1, 1);
-    k = clip(round(k₀ (1 + 0.3 interaction − 0.2 agreement)), 1, 100); min-p = clip(0.03 (1 − 0.5 U_logits), 0.01, 0.5);
-    draw `adaptive_samples` candidates (`best_candidate` keeps one)."""
+    T = T₀ (1 + 0.3 U_logits + 0.2 U_attn − 0.2 agreement), floored at 0.001;
+    p = clip(p₀ (1 + 0.1 attention varentropy), 0.1, 1);
+    k = clip(round(k₀ (1 + 0.3 interaction − 0.2 agreement)), 1, 100);
+    min-p = clip(0.03 (1 − 0.5 U_logits), 0.01, 0.5);
+    draw `adaptive_samples` candidates (`choose_column` keeps the best)."""
     logits_u = m.entropy + m.varentropy
     attn_u = m.attn_entropy + m.attn_varentropy
-    temperature = c.temperature * (1 + c.adaptive_temperature_logits * logits_u + c.adaptive_temperature_attention * attn_u - c.adaptive_temperature_agreement * m.agreement)
+    raise_by = (
+        1
+        + c.adaptive_temperature_logits * logits_u
+        + c.adaptive_temperature_attention * attn_u
+        - c.adaptive_temperature_agreement * m.agreement
+    )
     top_p = min(1.0, max(0.1, c.top_p * (1 + c.adaptive_top_p_coefficient * m.attn_varentropy)))
-    scaled_k = round(c.top_k * (1 + c.adaptive_top_k_interaction * m.interaction_strength - c.adaptive_top_k_agreement * m.agreement))
-    top_k = min(c.adaptive_max_top_k, max(1, scaled_k))
+    widen = 1 + c.adaptive_top_k_interaction * m.interaction_strength - c.adaptive_top_k_agreement * m.agreement
+    top_k = min(c.adaptive_max_top_k, max(1, round(c.top_k * widen)))
     min_p = min(0.5, max(0.01, c.adaptive_min_p * (1 - c.adaptive_min_p_coefficient * logits_u)))
-    return Decision("adaptive", max(temperature, 1e-3), top_p, top_k, min_p, samples=c.adaptive_samples)
+    return Decision("adaptive", max(c.temperature * raise_by, 1e-3), top_p, top_k, min_p, samples=c.adaptive_samples)
 
 
 def decide(m: Metrics, c: EntropixConfig, last_token: int) -> Decision:
@@ -309,5 +319,6 @@ def check_config(c: EntropixConfig, vocab_size: int) -> list[tuple[str, str]]:
             interval = f"{'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
             problems.append((name, f"must be in {interval}, got {value}"))
     if c.clarifying_token >= vocab_size:
-        problems.append(("clarifying_token", f"must be -1 (off) or an id below the vocabulary size {vocab_size}, got {c.clarifying_token}"))
+        bound = f"must be -1 (off) or an id below the vocabulary size {vocab_size}"
+        problems.append(("clarifying_token", f"{bound}, got {c.clarifying_token}"))
     return problems

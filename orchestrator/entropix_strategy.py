@@ -65,7 +65,10 @@ def ranked_logits(result: StepResult, row: int = 0) -> tuple[torch.Tensor, torch
     return ids, logits
 
 
-def decide_token(ctx: DecodeContext, config: EntropixConfig, result: StepResult, last_token: int, current: Round) -> int:
+def decide_token(
+    ctx: DecodeContext, config: EntropixConfig, result: StepResult, last_token: int, current: Round
+) -> int:
+    """The next token by the policy, from a target-only step's one scored row; recorded."""
     metrics = position_metrics(result)
     decision = decide(metrics, config, last_token)
     if decision.clarify:
