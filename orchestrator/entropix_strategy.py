@@ -109,8 +109,9 @@ async def entropix(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
     yield [token]
 
 
-def policy_row(config: EntropixConfig, verified: StepResult, row: int, last_token: int, vocab: int) -> tuple[
-        torch.Tensor, Decision, Metrics]:
+def policy_row(
+    config: EntropixConfig, verified: StepResult, row: int, last_token: int, vocab: int
+) -> tuple[torch.Tensor, Decision, Metrics]:
     """The policy's distribution at one verified position, dense [vocab], with its decision."""
     metrics = position_metrics(verified, row)
     decision = decide(metrics, config, last_token)
