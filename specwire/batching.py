@@ -219,6 +219,7 @@ class Scheduler:
         else:
             batch = build_batch(jobs, self.device, self.cache.scratch_row)
             if scores:
+                batch.scores = True
                 batch.score_rows, batch.score_tokens = score_selection(jobs, self.device)
             out = self.model.forward(self.cache, batch)
         picked = []  # hidden states of the positions whose logits are wanted
@@ -248,9 +249,15 @@ class Scheduler:
             offset += size
 
 
-def score_selection(jobs: list[ForwardJob], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def score_selection(
+    jobs: list[ForwardJob], device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The batch rows ([R]) and new-token offsets ([R, K], K = the widest `keep`) whose attention
-    scores the asking jobs want: each row's last `keep` tokens, left-padded with its first."""
+    scores the asking jobs want: each row's last `keep` tokens, left-padded with its first.
+    (None, None) when that is every row and token of the batch (a lone decode step, say)."""
+    widest = max(job.new_tokens for job in jobs)
+    if all(job.want_attention and job.keep == job.new_tokens == widest for job in jobs):
+        return None, None
     rows: list[int] = []
     tokens: list[list[int]] = []
     width = max(job.keep for job in jobs if job.want_attention)

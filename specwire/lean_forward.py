@@ -39,7 +39,9 @@ class ForwardBatch:
     # scratch row), where nothing reads them before a real token overwrites them.
     contiguous_from: int | None = None  # rows are range(contiguous_from, +B): slice, don't gather
     dense: bool = False  # key_mask is all True (no mask needed)
-    # Last-layer attention scores wanted for R batch rows × K of their new tokens (offsets in T).
+    # Last-layer attention scores wanted: for R batch rows × K of their new tokens (offsets in T),
+    # or, with `scores` and no selection, for every row and token of the batch.
+    scores: bool = False
     score_rows: torch.Tensor | None = None  # [R] long, indices into the batch
     score_tokens: torch.Tensor | None = None  # [R, K] long
 
@@ -93,7 +95,9 @@ def _attend(
 def _chosen_scores(query: torch.Tensor, keys: torch.Tensor, batch: ForwardBatch, scaling: float) -> torch.Tensor:
     """q·kᵀ·scaling of the batch's chosen rows and tokens only, masked: [R, Hq, K, L] float32.
     query: [B, Hq, T, D]; keys: [B, Hkv, L, D]."""
-    assert batch.score_rows is not None and batch.score_tokens is not None
+    if batch.score_rows is None or batch.score_tokens is None:  # every row and token (R = B, K = T)
+        scores = attention_scores(query, keys, scaling)
+        return scores if batch.dense else scores.masked_fill(~batch.key_mask.unsqueeze(1), float("-inf"))
     rows, tokens = batch.score_rows, batch.score_tokens  # [R], [R, K]
     R, K = tokens.shape
     chosen = query.index_select(0, rows)  # [R, Hq, T, D]
@@ -138,7 +142,7 @@ class LlamaLike:
             k = attn.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
             v = attn.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            wanted = scores if batch.score_rows is not None and index == last else None
+            wanted = scores if batch.scores and index == last else None
             out = _attend(q, cache, index, k, v, batch, attn.scaling, wanted)
             hidden = hidden + attn.o_proj(out)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
@@ -176,7 +180,7 @@ class GPT2Like:
             attn = block.attn
             q, k, v = attn.c_attn(block.ln_1(hidden)).split(attn.split_size, dim=2)
             q, k, v = (t.view(B, T, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-            wanted = scores if batch.score_rows is not None and index == last else None
+            wanted = scores if batch.scores and index == last else None
             out = _attend(q, cache, index, k, v, batch, attn.scaling, wanted)
             hidden = hidden + attn.c_proj(out)
             hidden = hidden + block.mlp(block.ln_2(hidden))

@@ -19,7 +19,7 @@ from specwire.client.sdk import GenerateResult, GenerationError, build_request
 from specwire.orchestrator.generation import Decoder
 from specwire.orchestrator.models import LocalModel
 
-from specwire.batching import ForwardJob
+from specwire.batching import ForwardJob, score_selection
 from specwire.engine import CausalLM, Engine, EngineLimits, SlotKV
 from specwire.errors import ResourceExhausted
 from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
@@ -220,6 +220,27 @@ def test_attention_scores_hook_returns_the_last_layers_scores(llama_target_dir: 
     last = kv.run(ForwardJob([], torch.tensor([[5, 17, 42]]), 0, 1, want_attention=True)).attention_scores
     assert last is not None and last.shape == (1, 4, 1, 3)  # the kept tokens' scores only
     torch.testing.assert_close(last[0, :, 0], scores[0, :, 2])
+
+
+def test_attention_scores_are_computed_for_the_asking_rows_only(llama_target_dir: Path) -> None:
+    """One forward over a session that asks for scores (entropix) and one that does not: only the
+    asking job's rows and kept tokens are scored, and they equal that job's solo scores."""
+    lean = engine(llama_target_dir, max_batch_rows=4, max_cache_len=64)
+    assert lean.scheduler is not None
+    asking, other = lean.new_session().kv, lean.new_session().kv
+    assert isinstance(asking, SlotKV) and isinstance(other, SlotKV)
+    asking.open(1)
+    other.open(2)
+    solo = asking.run(ForwardJob([], torch.tensor([[5, 17, 42]]), 0, 2, want_attention=True)).attention_scores
+    wants = ForwardJob(list(asking.rows), torch.tensor([[5, 17, 42]]), 0, 2, want_attention=True)
+    plain = ForwardJob(list(other.rows), torch.tensor([[9, 8, 7, 6], [1, 2, 3, 4]]), 0, 1)
+    rows, tokens = score_selection([plain, wants], torch.device("cpu"))
+    assert rows is not None and tokens is not None
+    assert rows.tolist() == [2] and tokens.tolist() == [[1, 2]]  # the asking row, its 2 kept tokens
+    lean.scheduler._forward([plain, wants])
+    assert plain.attention_scores is None and wants.attention_scores is not None and solo is not None
+    assert wants.attention_scores.shape == (1, 4, 2, 3)
+    torch.testing.assert_close(wants.attention_scores, solo, atol=1e-5, rtol=1e-5)
 
 
 def test_cache_use_is_reported_in_info_and_metrics(llama_target_dir: Path) -> None:
