@@ -79,9 +79,8 @@ def attention_stats(scores: torch.Tensor, valid: torch.Tensor | None) -> Attenti
         keys = valid.sum(dim=-1)  # [rows]
         strength = scores.abs().masked_fill(~valid.unsqueeze(1), 0.0).sum(dim=(1, 2)) / (heads * keys)  # −inf-safe
         scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    log_p = (torch.log_softmax(scores, dim=-1) * LOG2_E).clamp(min=MIN_LOG2)  # [rows, heads, keys]
-    p = log_p.exp2()  # masked keys: 0 in every head, so they add nothing below
-    head_entropy = -(p * log_p).sum(dim=-1)  # [rows, heads]
+    p = torch.softmax(scores, dim=-1)  # [rows, heads, keys]; masked keys: 0 in every head, adding nothing below
+    head_entropy = torch.special.entr(p).sum(dim=-1) * LOG2_E  # [rows, heads], −Σ p ln p (0 ln 0 = 0), in bits
     agreement = (p - p.mean(dim=1, keepdim=True)).abs().sum(dim=(1, 2)) / (heads * keys)
     varentropy, entropy = torch.var_mean(head_entropy, dim=-1, correction=0)
     return AttentionStats(entropy=entropy, varentropy=varentropy, agreement=agreement, interaction_strength=strength)
