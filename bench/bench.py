@@ -15,6 +15,15 @@ in a freshly shuffled order, so drifting machine load spreads over all of them):
   (c) `specwire_greedy`            target-only greedy through the orchestrator over gRPC;
   (d) `specwire_speculative`       speculative with the draft model over gRPC, γ;
       `specwire_speculative_ngram` speculative with the n-gram drafter (a second stack).
+  (e) `specwire_sample`            target-only sampling at entropix's base warpers (T 0.666, top-p
+                                   0.9, top-k 27), seeded, gRPC;
+      `specwire_entropix`          entropy-adaptive sampling (reference defaults), seeded, gRPC;
+      `specwire_entropix_speculative` the same policy verifying γ draft tokens per round (its
+                                   speedup is measured over `specwire_entropix`).
+      The (e) rows sample, so they are not compared with (a)'s tokens. `entropix_metrics_cost` in
+      the metadata times (thread CPU time, one torch thread), in-process and interleaved, one
+      cached target step scoring the top 100 logits with and without the entropix metrics
+      (`Scoring.extras`): the metrics' cost as a share of the target's step.
 
 Every row decodes greedily and ignores end-of-sequence (transformers: `eos_token_id=None`;
 specwire: `ignore_eos`), so every row generates exactly `max_new_tokens` tokens per prompt, and
@@ -94,7 +103,12 @@ ROWS = [
     RowSpec("specwire_greedy", "specwire", "specwire greedy, target only, gRPC"),
     RowSpec("specwire_speculative", "specwire", "specwire speculative, draft model, γ, gRPC"),
     RowSpec("specwire_speculative_ngram", "specwire", "specwire speculative, n-gram drafter, γ, gRPC"),
+    RowSpec("specwire_sample", "specwire_sampled", "specwire sampling at entropix's base warpers, seeded, gRPC"),
+    RowSpec("specwire_entropix", "specwire_sampled", "specwire entropix (entropy-adaptive), seeded, gRPC"),
+    RowSpec("specwire_entropix_speculative", "specwire_sampled", "specwire entropix verified from draft proposals, γ"),
 ]
+# Entropix's base warpers (the reference's defaults), for a like-for-like sampling row.
+BASE_WARPERS = {"temperature": 0.666, "top_p": 0.9, "top_k": 27}
 ROW_NAMES = [row.name for row in ROWS]
 
 
@@ -315,11 +329,15 @@ class HfRunner:
 # -- specwire over gRPC -------------------------------------------------------------------------
 
 
-def specwire_sample(client: Any, strategy: str, prompt_ids: list[int], max_new_tokens: int, gamma: int) -> Sample:
+def specwire_sample(
+    client: Any, strategy: str, prompt_ids: list[int], max_new_tokens: int, gamma: int, speculate: bool = False
+) -> Sample:
     """One `Generate` through an orchestrator; `client` is a `client.sdk.Client`."""
     params: dict[str, Any] = {"strategy": strategy, "max_new_tokens": max_new_tokens, "ignore_eos": True}
-    if strategy == "speculative":
+    if strategy == "speculative" or speculate:
         params["num_speculative_tokens"] = gamma
+    if strategy in ("sample", "entropix"):
+        params |= BASE_WARPERS | {"seed": len(prompt_ids)}
     started = time.perf_counter()
     result = client.generate(input_ids=prompt_ids, **params)
     seconds = time.perf_counter() - started
@@ -388,6 +406,49 @@ def concurrency_entries(
     return entries
 
 
+def entropix_metrics_cost(config: BenchConfig, context: int = 64, steps: int = 200) -> dict[str, Any]:
+    """Median time of one cached target step (append a token, score the top 100 logits) with and
+    without the entropix metrics, on the serving engine (the batched lean forward where the model
+    has one), interleaved in-process on one torch thread, by the thread's CPU time on CPU (wall
+    time on a shared machine measures the neighbours) and by wall time on CUDA (the engine
+    synchronises before a step returns); cost = (with − without) / without."""
+    import torch
+
+    from specwire.engine import CausalLM, Engine, EngineLimits
+    from specwire.session import Extras, OpenRequest, ScoreKind, Scoring, StepRequest
+
+    lm = CausalLM.load(config.target_model, device=config.device, dtype=config.dtype)
+    engine = Engine(lm, "target", EngineLimits(max_batch_rows=2, max_cache_len=context + steps + 1))
+    plain = Scoring(ScoreKind.LOGITS, top_n=100)
+    measured = Scoring(ScoreKind.LOGITS, top_n=100, extras=Extras(True, True, True))
+    prompt = [(7 * i + 3) % lm.vocab_size for i in range(context)]
+    sessions = {"plain": engine.new_session(), "measured": engine.new_session()}
+    for session in sessions.values():
+        session.open(OpenRequest(prompt, scoring=measured))
+    times: dict[str, list[float]] = {"plain": [], "measured": []}
+    clock = time.perf_counter if lm.device.type == "cuda" else time.thread_time
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for step in range(steps):
+            for name in ("plain", "measured") if step % 2 else ("measured", "plain"):
+                scoring = measured if name == "measured" else plain
+                started = clock()
+                sessions[name].step(StepRequest(append_ids=[(11 * step) % lm.vocab_size], scoring=scoring))
+                times[name].append((clock() - started) * 1e3)
+    finally:
+        torch.set_num_threads(threads)
+        for session in sessions.values():
+            session.close()
+    without, with_metrics = statistics.median(times["plain"]), statistics.median(times["measured"])
+    return {
+        "step_ms": without,
+        "step_with_metrics_ms": with_metrics,
+        "cost": (with_metrics - without) / without,
+        "engine": "lean" if engine.batches else "hf",
+    }
+
+
 # -- aggregation --------------------------------------------------------------------------------
 
 
@@ -404,7 +465,7 @@ def _paired_ratio(row: RowResult, base: RowResult | None) -> float | None:
 
 
 def _matches(row: RowResult, reference: RowResult | None) -> float | None:
-    if reference is None or reference.error or row.error:
+    if reference is None or reference.error or row.error or row.spec.group == "specwire_sampled":
         return None
     pairs = [
         (ours.token_ids, theirs.token_ids)
@@ -444,15 +505,17 @@ def summarize(results: dict[str, RowResult]) -> list[dict[str, Any]]:
             "matches_hf_target": _matches(result, hf_target),
             "new_tokens_per_repeat": sum(len(s.token_ids) for s in samples) // max(1, len(result.samples)),
         }
-        row |= _speculation_figures(result, samples, hf_target, specwire_greedy)
+        baseline = {"specwire": specwire_greedy, "specwire_sampled": results.get("specwire_entropix")}.get(
+            spec.group, hf_target
+        )
+        row |= _speculation_figures(result, samples, baseline)
         row |= _round_breakdown(samples)
         rows.append(row)
     return rows
 
 
-def _speculation_figures(
-    result: RowResult, samples: list[Sample], hf_target: RowResult | None, specwire_greedy: RowResult | None
-) -> dict[str, Any]:
+def _speculation_figures(result: RowResult, samples: list[Sample], baseline: RowResult | None) -> dict[str, Any]:
+    """Speculation's figures; the measured speedup is over `baseline` (the row's non-speculative twin)."""
     empty = dict.fromkeys(
         ["acceptance_rate", "alpha", "gamma", "cost_ratio_c", "predicted_speedup", "measured_speedup", "efficiency"]
     )
@@ -470,7 +533,6 @@ def _speculation_figures(
     target_ms_per_forward = sum(s.target_compute_ms for s in samples) / target_forwards if target_forwards else 0.0
     cost = draft_ms_per_token / target_ms_per_forward if target_ms_per_forward > 0 else None
     predicted = predicted_speedup(alpha, gamma, cost) if cost is not None else None
-    baseline = specwire_greedy if result.spec.group == "specwire" else hf_target
     measured = _paired_ratio(result, baseline)
     return figures | {
         "acceptance_rate": accepted / drafted,
@@ -534,7 +596,8 @@ def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple
     """The model-drafter stack and the n-gram stack, started in parallel; errors by stack name."""
     stack_configs: dict[str, StackConfig] = {}
     common = StackConfig(target_model=config.target_model, device=config.device, dtype=config.dtype)
-    if needed & {"specwire_greedy", "specwire_speculative"}:
+    if needed & {"specwire_greedy", "specwire_speculative", "specwire_sample", "specwire_entropix",
+                 "specwire_entropix_speculative"}:
         port = config.port or free_base_port()
         stack_configs["model"] = replace(common, port=port, draft_model=config.draft_model, drafter="model")
     if "specwire_speculative_ngram" in needed:
@@ -592,8 +655,11 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             stack = "ngram" if row == "specwire_speculative_ngram" else "model"
             if stack in stack_errors:
                 raise RuntimeError(f"the {stack} stack did not start: {stack_errors[stack]}")
-            strategy = "greedy" if row == "specwire_greedy" else "speculative"
-            return specwire_sample(clients[stack], strategy, ids, max_new_tokens, config.gamma)
+            strategies = {"specwire_greedy": "greedy", "specwire_sample": "sample", "specwire_entropix": "entropix",
+                          "specwire_entropix_speculative": "entropix"}
+            strategy = strategies.get(row, "speculative")
+            speculate = row == "specwire_entropix_speculative"
+            return specwire_sample(clients[stack], strategy, ids, max_new_tokens, config.gamma, speculate)
 
         def attempt(result: RowResult, ids: list[int], max_new_tokens: int) -> Sample | None:
             try:
@@ -603,6 +669,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
                 return None
 
         forwards = hf.single_forward_ms()
+        metrics_cost = entropix_metrics_cost(config) if "specwire_entropix" in config.rows else None
         order_log: list[list[str]] = []
         total = len(specs) * (config.repeats * len(prompt_ids) + (1 if config.warmup else 0))
         with tqdm(total=total, desc="bench", unit="gen", disable=not config.show_progress, file=sys.stderr) as bar:
@@ -637,12 +704,13 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
                     clients["model"], strategy, prompt_ids, levels, config.max_new_tokens, config.gamma, config.repeats,
                     config.seed,
                 )
-        metadata = {
+        metadata: dict[str, Any] = {
             "schema": SCHEMA,
             "target_model": config.target_model,
             "draft_model": config.draft_model,
             "parameters": hf.parameters(),
             "single_forward": forwards,
+            "entropix_metrics_cost": metrics_cost,
             "prompts": len(config.prompts),
             "prompt_tokens": [len(ids) for ids in prompt_ids],
             "max_new_tokens": config.max_new_tokens,
@@ -744,6 +812,12 @@ def markdown_table(report: dict[str, Any]) -> str:
     best = next((r["best_hf_assisted_row"] for r in report["rows"] if r["best_hf_assisted_row"]), None)
     lines.append("")
     lines.append(f"best HF assisted row: {best or '–'}; took {meta['duration_s']:.0f} s")
+    cost = meta.get("entropix_metrics_cost")
+    if cost:
+        lines.append(
+            f"entropix metrics: one cached target step {cost['step_ms']:.2f} ms without, "
+            f"{cost['step_with_metrics_ms']:.2f} ms with them (+{100 * cost['cost']:.1f}%)"
+        )
     return "\n".join(lines)
 
 

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from specwire.bench import bench, experiment, soak
+from specwire.bench.entropix_plot import STATE_COLOURS, plot_decisions
 from specwire.client.sdk import Client, GenerateResult, GenerationError, enum_names, stats_as_dict
+from specwire.v1 import orchestrator_pb2
 
 from specwire import __version__
 from specwire.extras import require
@@ -30,7 +32,7 @@ GENERATION_FLAGS: list[tuple[str, Any, str]] = [
     ("--num-beams", int, "beams for --strategy beam / contrastive"),
     ("--length-penalty", float, "beam score = sum log p / length^length_penalty"),
     ("--num-return-sequences", int, "beam hypotheses to return (≤ num_beams)"),
-    ("--num-speculative-tokens", int, "γ: draft tokens per speculative round"),
+    ("--num-speculative-tokens", int, "γ: draft tokens per speculative round (with entropix: speculate)"),
     ("--draft-confidence-threshold", float, "draft stops proposing below this top probability"),
     ("--cd-alpha", float, "contrastive plausibility cut-off α"),
     ("--cd-beta", float, "O'Brien & Lewis contrast weight β"),
@@ -146,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_flags(generate)
     generate.add_argument("--stream", action="store_true", help="print text as it is generated")
     generate.add_argument("--json", action="store_true", help="print the result as JSON")
+    generate.add_argument("--plot", help="entropix: draw the tokens on the entropy × varentropy plane to this PNG")
     generate.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
     _add_client_tls_flags(generate, "", "the orchestrator")
     generate.add_argument("--token-file", help="send the first line of FILE as the bearer token")
@@ -205,6 +208,10 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-strings", action="append", metavar="STRING", help="stop string (repeatable)")
     parser.add_argument("--early-stopping", choices=enum_names("early_stopping"), default=None)
     parser.add_argument("--cd-form", choices=enum_names("cd_form"), default=None)
+    parser.add_argument(
+        "--entropix", action="append", metavar="NAME=VALUE",
+        help="an entropix threshold or coefficient (repeatable), e.g. argmax_entropy=0.2",
+    )
     for flag, kind, text in GENERATION_FLAGS:
         parser.add_argument(flag, type=kind, default=None, help=text)
 
@@ -216,7 +223,22 @@ def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.ignore_eos:
         kwargs["ignore_eos"] = True
+    if args.entropix:
+        kwargs["entropix"] = dict(_parse_entropix(item) for item in args.entropix)
     return kwargs
+
+
+def _parse_entropix(item: str) -> tuple[str, float]:
+    name, _, value = item.partition("=")
+    try:
+        return name.strip(), int(value) if name.strip() in _ENTROPIX_INTS else float(value)
+    except ValueError:
+        raise SystemExit(f"--entropix: expected NAME=NUMBER, got {item!r}") from None
+
+
+_ENTROPIX_INTS = {
+    f.name for f in orchestrator_pb2.EntropixParams.DESCRIPTOR.fields if f.cpp_type == f.CPPTYPE_INT32
+}
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -239,6 +261,12 @@ def _print_result(result: GenerateResult, as_json: bool) -> None:
         f"({1000 * s.new_tokens / max(s.wall_ms, 1e-9):.1f} tok/s), {s.rounds} rounds",
         file=sys.stderr,
     )
+    if s.entropix_states:
+        print(f"entropix states: {format_states(s.entropix_states)}", file=sys.stderr)
+
+
+def format_states(counts: dict[str, int]) -> str:
+    return ", ".join(f"{state} {counts[state]}" for state in STATE_COLOURS if state in counts)
 
 
 def read_token(path: str) -> str:
@@ -264,6 +292,8 @@ def client_security(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.plot:  # refused before any generation
+        require("matplotlib", "plots", "specwire generate --plot")
     kwargs = generation_kwargs(args)
     if args.input_ids is not None:
         kwargs["input_ids"] = _parse_ids(args.input_ids)
@@ -276,7 +306,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if last is not None and last.stats is not None:
                 print(f"\n[{last.finish_reason}] {json.dumps(stats_as_dict(last.stats))}", file=sys.stderr)
             return 0
-        _print_result(client.generate(args.prompt, **kwargs), args.json)
+        result = client.generate(args.prompt, **kwargs)
+        _print_result(result, args.json)
+    if args.plot:
+        if not result.decisions:
+            print("error: --plot needs --strategy entropix (no decision trace)", file=sys.stderr)
+            return 2
+        plot_decisions(result.decisions, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -367,6 +404,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 ("speculative (γ=4): same text as greedy, fewer target forwards",
                  {"strategy": "speculative", "num_speculative_tokens": 4}),
                 ("contrastive (O'Brien & Lewis, α=0.1, β=0.5)", {"strategy": "contrastive"}),
+                ("entropix (entropy-adaptive, reference defaults, seed 1)", {"strategy": "entropix", "seed": 1}),
             ]
             for label, kwargs in runs:
                 result = client.generate(prompt=args.prompt, max_new_tokens=args.max_new_tokens, **kwargs)
@@ -374,6 +412,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 line = f"\n=== {label}\n    {s.new_tokens} tokens in {s.wall_ms:.0f} ms, {s.target_forwards} target forwards"
                 if s.drafted_tokens:
                     line += f", acceptance {s.acceptance_rate:.0%}, {s.tokens_per_target_forward:.2f} tokens/forward"
+                if s.entropix_states:
+                    line += f", states: {format_states(s.entropix_states)}"
                 print(line + f", finish={result.finish_reason}")
                 print(args.prompt + result.text)
     return 0

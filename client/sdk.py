@@ -31,7 +31,13 @@ from specwire.serving import CHANNEL_OPTIONS
 _STATS_FIELDS = orchestrator_pb2.GenerationStats.DESCRIPTOR.fields
 
 
+def _is_map(descriptor: Any) -> bool:
+    return descriptor.message_type is not None and descriptor.message_type.GetOptions().map_entry  # type: ignore[no-any-return]
+
+
 def _stats_field_type(descriptor: Any) -> Any:
+    if _is_map(descriptor):
+        return dict[str, int]
     base = float if descriptor.cpp_type in (descriptor.CPPTYPE_DOUBLE, descriptor.CPPTYPE_FLOAT) else int
     return list[base] if descriptor.is_repeated else base  # type: ignore[valid-type]
 
@@ -39,7 +45,8 @@ def _stats_field_type(descriptor: Any) -> Any:
 #: Per-request statistics, one attribute per `GenerationStats` field of the proto.
 Stats = make_dataclass(
     "Stats",
-    [(f.name, _stats_field_type(f), field(default_factory=list) if f.is_repeated else field(default=0))
+    [(f.name, _stats_field_type(f),
+      field(default_factory=dict if _is_map(f) else list) if f.is_repeated else field(default=0))
      for f in _STATS_FIELDS],
     frozen=True,
 )
@@ -49,8 +56,30 @@ def _stats_from_pb(message: orchestrator_pb2.GenerationStats) -> Any:
     values = {}
     for f in _STATS_FIELDS:
         value = getattr(message, f.name)
-        values[f.name] = list(value) if f.is_repeated else value
+        values[f.name] = dict(value) if _is_map(f) else list(value) if f.is_repeated else value
     return Stats(**values)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How strategy "entropix" chose one token: its state, the target's metrics, the warpers."""
+
+    state: str
+    entropy: float
+    varentropy: float
+    attn_entropy: float
+    attn_varentropy: float
+    agreement: float
+    interaction_strength: float
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    clarified: bool = False
+
+
+def _decisions_from_pb(messages: Any) -> list[Decision]:
+    return [Decision(**{f.name: getattr(m, f.name) for f in fields(Decision)}) for m in messages]
 
 
 def stats_as_dict(stats: Any) -> dict[str, Any]:
@@ -73,6 +102,7 @@ class GenerateResult:
     finish_reason: str  # "eos", "length" or "stop"
     stats: Any  # Stats
     sequences: list[BeamSequence] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)  # strategy "entropix": one per token
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -83,6 +113,8 @@ class GenerateResult:
         }
         if self.sequences:
             out["sequences"] = [{"token_ids": s.token_ids, "text": s.text, "score": s.score} for s in self.sequences]
+        if self.decisions:
+            out["decisions"] = [vars(d) for d in self.decisions]
         return out
 
 
@@ -92,6 +124,7 @@ class StreamDelta:
     text: str
     finish_reason: str = ""  # set on the last delta
     stats: Any = None  # Stats, on the last delta
+    decisions: list[Decision] = field(default_factory=list)  # entropix's trace, on the last delta
 
 
 class GenerationError(Exception):
@@ -117,7 +150,9 @@ _SCALAR_PARAMS = {f.name for f in orchestrator_pb2.GenerateRequest.DESCRIPTOR.fi
     "max_new_tokens",
     "stop_strings",
     *_ENUM_PREFIXES,
+    "entropix",
 }
+_ENTROPIX_PARAMS = {f.name for f in orchestrator_pb2.EntropixParams.DESCRIPTOR.fields}
 
 
 def enum_names(field_name: str) -> list[str]:
@@ -143,13 +178,18 @@ def build_request(
     stop_strings: str | Sequence[str] | None = None,
     early_stopping: bool | str | None = None,
     cd_form: str | None = None,
+    entropix: dict[str, float] | None = None,
     **params: Any,
 ) -> orchestrator_pb2.GenerateRequest:
     """A `GenerateRequest` from keyword parameters named as in transformers' `generate`.
-    Give `prompt` (text) or `input_ids` (token ids); `early_stopping` is True, False or "never"."""
+    Give `prompt` (text) or `input_ids` (token ids); `early_stopping` is True, False or "never";
+    `entropix` maps `EntropixParams` field names to values."""
     unknown = set(params) - _SCALAR_PARAMS
     if unknown:
         raise TypeError(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
+    unknown = set(entropix or {}) - _ENTROPIX_PARAMS
+    if unknown:
+        raise TypeError(f"unknown entropix parameter(s): {', '.join(sorted(unknown))}")
     request = orchestrator_pb2.GenerateRequest(strategy=_enum_number("strategy", strategy))  # type: ignore[arg-type]
     if prompt is not None and input_ids is not None:
         raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: give either prompt or input_ids, not both")
@@ -168,6 +208,8 @@ def build_request(
     for name, value in params.items():
         if value is not None:
             setattr(request, name, value)
+    for name, value in (entropix or {}).items():
+        setattr(request.entropix, name, value)
     return request
 
 
@@ -183,6 +225,7 @@ def _result_from_pb(reply: orchestrator_pb2.GenerateResponse) -> GenerateResult:
         finish_reason=finish_reason_name(reply.finish_reason),
         stats=_stats_from_pb(reply.stats),
         sequences=[BeamSequence(list(s.token_ids), s.text, s.score) for s in reply.sequences],
+        decisions=_decisions_from_pb(reply.decisions),
     )
 
 
@@ -192,6 +235,7 @@ def _delta_from_pb(delta: orchestrator_pb2.GenerateDelta) -> StreamDelta:
         text=delta.text,
         finish_reason=finish_reason_name(delta.finish_reason),
         stats=_stats_from_pb(delta.stats) if delta.HasField("stats") else None,
+        decisions=_decisions_from_pb(delta.decisions),
     )
 
 

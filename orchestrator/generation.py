@@ -21,6 +21,7 @@ from specwire.orchestrator import params as request_params
 from specwire.orchestrator.beam import beam_search
 from specwire.orchestrator.context import BeamSequence, DecodeContext
 from specwire.orchestrator.contrastive import contrastive
+from specwire.orchestrator.entropix_strategy import entropix
 from specwire.orchestrator.health import DRAFT_STRATEGIES, ServiceStates
 from specwire.orchestrator.models import ModelHandle
 from specwire.orchestrator.output import Output
@@ -45,6 +46,7 @@ STRATEGIES: dict[str, Strategy] = {
     "beam": beam_search,
     "contrastive": contrastive,
     "speculative": speculative,
+    "entropix": entropix,
 }
 
 
@@ -124,10 +126,12 @@ class Decoder:
             names = [name for name in names if name != "contrastive"]
         return sorted(names)
 
-    def _check_available(self, strategy: str) -> None:
+    def _check_available(self, strategy: str, speculate: bool = False) -> None:
+        """`speculate`: a strategy that takes the draft only when asked to (entropix) was."""
         if not self.states.target_up:
             raise Unavailable(f"target: the target service ({_where(self.target)}) is unreachable or not serving")
-        if strategy in DRAFT_STRATEGIES and self.draft is not None and not self.states.draft_up:
+        needs_draft = strategy in DRAFT_STRATEGIES or speculate
+        if needs_draft and self.draft is not None and not self.states.draft_up:
             others = ", ".join(name for name in sorted(STRATEGIES) if name not in DRAFT_STRATEGIES)
             raise Unavailable(
                 f"draft: the draft service ({_where(self.draft)}) is unreachable or not serving; strategy "
@@ -146,7 +150,7 @@ class Decoder:
         params = request_params.parse(request, len(prompt_ids), self.limits)
         if params.strategy not in STRATEGIES:
             raise InvalidArgument("strategy", f"strategy {echo(params.strategy)} is not available on this orchestrator")
-        self._check_available(params.strategy)
+        self._check_available(params.strategy, params.entropix_speculative)
         return params, prompt_ids
 
     async def stream(

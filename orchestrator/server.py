@@ -14,6 +14,7 @@ from specwire.orchestrator.context import BeamSequence
 from specwire.orchestrator.generation import Decoder, Delta, Result
 from specwire.orchestrator.health import ServiceStates
 from specwire.orchestrator.replicas import ReplicaCollector, ReplicaSet
+from specwire.orchestrator.stats import RunStats
 from specwire.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from specwire import security, serving, telemetry
@@ -40,6 +41,11 @@ def finish_reason_pb(name: str) -> orchestrator_pb2.FinishReason:
     return orchestrator_pb2.FinishReason.Value(f"FINISH_REASON_{name.upper()}" if name else "FINISH_REASON_UNSPECIFIED")
 
 
+def _decisions_pb(stats: RunStats) -> list[orchestrator_pb2.EntropixDecision]:
+    """The entropix decision trace, one entry per generated token."""
+    return [orchestrator_pb2.EntropixDecision(**vars(record)) for record in stats.decisions[: stats.new_tokens]]
+
+
 def result_to_pb(decoder: Decoder, result: Result) -> orchestrator_pb2.GenerateResponse:
     return orchestrator_pb2.GenerateResponse(
         token_ids=result.token_ids,
@@ -47,6 +53,7 @@ def result_to_pb(decoder: Decoder, result: Result) -> orchestrator_pb2.GenerateR
         finish_reason=finish_reason_pb(result.finish_reason),
         sequences=_sequences_pb(decoder, result.sequences),
         stats=result.stats.to_pb(),
+        decisions=_decisions_pb(result.stats),
     )
 
 
@@ -59,6 +66,7 @@ def delta_to_pb(decoder: Decoder, delta: Delta) -> orchestrator_pb2.GenerateDelt
     )
     if delta.stats is not None:
         message.stats.CopyFrom(delta.stats.to_pb())
+        message.decisions.extend(_decisions_pb(delta.stats))
     return message
 
 

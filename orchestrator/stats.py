@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specwire.orchestrator.entropix import DecisionRecord
 from specwire.orchestrator.models import CallStats
 from specwire.v1 import orchestrator_pb2
 
@@ -27,6 +28,9 @@ class RunStats:
     valid_set_sizes: int = 0
     differs_from_expert: int = 0
     contrastive_steps: int = 0
+    # Entropix: one record per decided token (the decision trace) and tokens per state.
+    decisions: list[DecisionRecord] = field(default_factory=list)
+    entropix_states: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # One clock for both services: overlapping calls count once as waiting time.
@@ -84,4 +88,5 @@ class RunStats:
             mean_valid_set_size=self.valid_set_sizes / steps if self.contrastive_steps else 0.0,
             differs_from_expert_rate=self.differs_from_expert / steps if self.contrastive_steps else 0.0,
             sessions_rebuilt=target.rebuilds + draft.rebuilds,
+            entropix_states=self.entropix_states,
         )

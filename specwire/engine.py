@@ -22,7 +22,9 @@ import grpc
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 
+from specwire import attention_probe
 from specwire.batching import ForwardJob, Scheduler
+from specwire.entropy_metrics import AttentionStats, PositionMetrics, attention_stats, token_entropy
 from specwire.errors import InvalidArgument, StatusError, check_token_ids
 from specwire.lean_forward import LeanModel, lean_model
 from specwire.processing import (
@@ -223,7 +225,8 @@ class Engine:
             tokenizer_fingerprint=self._fingerprint,
             eos_token_ids=self.lm.eos_token_ids,
             max_context=self.max_tokens,
-            capabilities=["session", "propose", "branches"] + (["batching"] if self.batches else []),
+            capabilities=["session", "propose", "branches", "entropy", "attention_stats"]
+            + (["batching"] if self.batches else []),
             role=self.role,
             tokenizer_source=self.lm.tokenizer_source,
             device=str(self.lm.device),
@@ -288,7 +291,13 @@ class SessionKV(Protocol):
 
     def reorder(self, order: list[int]) -> None: ...
 
-    def forward(self, tokens: torch.Tensor, start: int, positions: int, more: bool = False) -> torch.Tensor: ...
+    def forward(
+        self, tokens: torch.Tensor, start: int, positions: int, more: bool = False, attention: bool = False
+    ) -> tuple[torch.Tensor, AttentionStats | None]:
+        """Logits of each branch's last `positions` tokens, [branches, positions, vocab] float32,
+        and with `attention` the last layer's attention statistics of the same [branches·positions]
+        rows (`specwire.entropy_metrics`), from the same forward pass."""
+        ...
 
     def close(self) -> None: ...
 
@@ -317,22 +326,26 @@ class DynamicKV:
             self.cache.reorder_cache(cast(torch.LongTensor, index))
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start: int, positions: int, more: bool = False) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, start: int, positions: int, more: bool = False, attention: bool = False
+    ) -> tuple[torch.Tensor, AttentionStats | None]:
+        """Attention statistics come from a probe on the last layer's attention function."""
         if self.cache is None:
             self.cache = DynamicCache()
         device = self.lm.device
         kwargs: dict[str, Any] = {}
         if self.lm.accepts_logits_to_keep:
             kwargs["logits_to_keep"] = positions
-        out = self.lm.model(
-            input_ids=tokens[:, start:].to(device),
-            attention_mask=torch.ones(tokens.shape, dtype=torch.long, device=device),
-            past_key_values=self.cache,
-            use_cache=True,
-            **kwargs,
-        )
+        with attention_probe.capture(self.lm.model, positions if attention else 0) as probe:
+            out = self.lm.model(
+                input_ids=tokens[:, start:].to(device),
+                attention_mask=torch.ones(tokens.shape, dtype=torch.long, device=device),
+                past_key_values=self.cache,
+                use_cache=True,
+                **kwargs,
+            )
         self.cached = int(tokens.shape[1])
-        return out.logits[:, -positions:, :].float()
+        return out.logits[:, -positions:, :].float(), probe.stats if probe is not None else None
 
     def close(self) -> None:
         self.cache, self.cached = None, 0
@@ -411,11 +424,22 @@ class SlotKV:
         finally:
             self._leave()
 
-    def forward(self, tokens: torch.Tensor, start: int, positions: int, more: bool = False) -> torch.Tensor:
-        """`more`: the session's next forward follows at once (the scheduler waits for it)."""
-        job = self.run(ForwardJob(list(self.rows), tokens[:, start:], start, positions, more=more))
+    def forward(
+        self, tokens: torch.Tensor, start: int, positions: int, more: bool = False, attention: bool = False
+    ) -> tuple[torch.Tensor, AttentionStats | None]:
+        """`more`: the session's next forward follows at once (the scheduler waits for it).
+        `attention`: the lean forward returns this job's last-layer scores (`ForwardJob`)."""
+        job = self.run(ForwardJob(list(self.rows), tokens[:, start:], start, positions, more=more,
+                                  want_attention=attention))
         assert job.logits is not None
-        return job.logits
+        if not attention:
+            return job.logits, None
+        scores = job.attention_scores
+        assert scores is not None  # [branches, heads, positions, keys], −inf where not attended to
+        rows = scores.transpose(1, 2).flatten(0, 1)  # [branches·positions, heads, keys]
+        # The last new token attends to every slot; earlier ones are causally masked.
+        valid = None if positions == 1 else torch.isfinite(rows[:, 0])  # [branches·positions, keys]
+        return job.logits, attention_stats(rows, valid)
 
     def set_deadline(self, seconds: float) -> None:
         """The caller's deadline is `seconds` away: wait no longer than that for rows."""
@@ -551,12 +575,18 @@ class EngineSession:
     def _forward(self, positions: int, more: bool = False) -> torch.Tensor:
         """Logits for each branch's last `positions` tokens: [branches, positions, vocab] float32.
         `more`: another forward of this message follows right away."""
+        return self._forward_measured(positions, more, attention=False)[0]
+
+    def _forward_measured(
+        self, positions: int, more: bool, attention: bool
+    ) -> tuple[torch.Tensor, AttentionStats | None]:
+        """`_forward`, and with `attention` the positions' attention statistics from the same pass."""
         start = min(self.kv.cached, self.length - positions)
         if start < self.kv.cached:
             self.kv.crop(start)
-        logits = self.kv.forward(self.tokens, start, positions, more)
+        logits, stats = self.kv.forward(self.tokens, start, positions, more, attention)
         self.forward_calls += 1
-        return logits
+        return logits, stats
 
     def _score(self, scoring: Scoring, more: bool = False) -> Scores | None:
         if scoring.kind == ScoreKind.NONE:
@@ -565,7 +595,19 @@ class EngineSession:
         if not 1 <= positions <= self.length:
             raise InvalidArgument("scoring.positions", f"must be in [1, {self.length}], got {positions}")
         score_ids = self._score_ids(scoring)  # checked before paying for a forward pass
-        logits = self._forward(positions, more)  # [branches, positions, vocab]
+        extras = scoring.extras
+        logits, attention = self._forward_measured(positions, more, extras.attention_stats)  # [branches, positions, vocab]
+        metrics = None
+        if extras.wanted:  # of the raw distribution, before any processor, on the device
+            entropy, varentropy = token_entropy(logits.flatten(0, 1))  # [branches·positions] each
+            metrics = PositionMetrics(entropy, varentropy, attention)
+        scores = self._processed_scores(scoring, logits, score_ids)
+        scores.metrics = metrics
+        return scores
+
+    def _processed_scores(self, scoring: Scoring, logits: torch.Tensor, score_ids: torch.Tensor | None) -> Scores:
+        """What `scoring` asks for from [branches, positions, vocab] raw logits."""
+        positions = logits.shape[1]
         per_position = []
         for j in range(positions):
             history = self.tokens[:, : self.length - positions + j + 1].to(logits.device)

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from specwire.entropy_metrics import PositionMetrics
 from specwire.processing import ProcessingConfig
 from specwire.slot_cache import CacheUsage
 
@@ -30,6 +31,19 @@ class ScoreKind(enum.IntEnum):
 
 
 @dataclass(frozen=True)
+class Extras:
+    """Per-position uncertainty metrics to return with the scores (`specwire.entropy_metrics`)."""
+
+    entropy: bool = False
+    varentropy: bool = False
+    attention_stats: bool = False
+
+    @property
+    def wanted(self) -> bool:
+        return self.entropy or self.varentropy or self.attention_stats
+
+
+@dataclass(frozen=True)
 class Scoring:
     """What to return for the last `positions` tokens of each branch."""
 
@@ -39,6 +53,7 @@ class Scoring:
     logits_dtype: str = "float32"
     # LOGITS / LOGPROBS: only these ids' scores, for every row (sparse); empty = all / top_n.
     score_ids: tuple[int, ...] = ()
+    extras: Extras = field(default_factory=Extras)
 
 
 @dataclass(frozen=True)
@@ -73,6 +88,7 @@ class Scores:
     dense: torch.Tensor | None = None  # [rows, vocab]
     sparse_ids: torch.Tensor | None = None  # [rows, k] int, -1 = padding
     sparse_values: torch.Tensor | None = None  # [rows, k]
+    metrics: PositionMetrics | None = None  # when `Scoring.extras` asked for them
 
     @property
     def rows(self) -> int:

@@ -11,8 +11,10 @@ from typing import cast
 
 import torch
 
+from specwire.entropy_metrics import AttentionStats, PositionMetrics
 from specwire.processing import ProcessingConfig
 from specwire.session import (
+    Extras,
     ModelInfo,
     OpenRequest,
     ScoreKind,
@@ -71,11 +73,40 @@ def _optional_tensor(message: model_pb2.Scores, name: str) -> torch.Tensor | Non
     return tensor_from_pb(getattr(message, name)) if message.HasField(name) else None
 
 
+def _metrics_tensors(metrics: PositionMetrics) -> dict[str, torch.Tensor]:
+    """The `Scores` extras fields by name, each [rows] float32."""
+    tensors = {"entropy": metrics.entropy, "varentropy": metrics.varentropy}
+    if metrics.attention is not None:
+        attention = metrics.attention
+        tensors["attention_entropy"] = attention.entropy
+        tensors["attention_varentropy"] = attention.varentropy
+        tensors["agreement"] = attention.agreement
+        tensors["interaction_strength"] = attention.interaction_strength
+    return {name: tensor.float() for name, tensor in tensors.items()}
+
+
+def _metrics_from_pb(message: model_pb2.Scores) -> PositionMetrics | None:
+    if not message.HasField("entropy"):
+        return None
+    attention = None
+    if message.HasField("attention_entropy"):
+        attention = AttentionStats(
+            entropy=tensor_from_pb(message.attention_entropy),
+            varentropy=tensor_from_pb(message.attention_varentropy),
+            agreement=tensor_from_pb(message.agreement),
+            interaction_strength=tensor_from_pb(message.interaction_strength),
+        )
+    return PositionMetrics(tensor_from_pb(message.entropy), tensor_from_pb(message.varentropy), attention)
+
+
 def scores_to_pb(scores: Scores) -> model_pb2.Scores:
     message = model_pb2.Scores(kind=cast(model_pb2.ScoreKind, int(scores.kind)))
     for name in ("argmax_ids", "dense", "sparse_ids", "sparse_values"):
         tensor = getattr(scores, name)
         if tensor is not None:
+            getattr(message, name).CopyFrom(tensor_to_pb(tensor))
+    if scores.metrics is not None:
+        for name, tensor in _metrics_tensors(scores.metrics).items():
             getattr(message, name).CopyFrom(tensor_to_pb(tensor))
     return message
 
@@ -87,6 +118,7 @@ def scores_from_pb(message: model_pb2.Scores) -> Scores:
         dense=_optional_tensor(message, "dense"),
         sparse_ids=_optional_tensor(message, "sparse_ids"),
         sparse_values=_optional_tensor(message, "sparse_values"),
+        metrics=_metrics_from_pb(message),
     )
 
 
@@ -121,6 +153,11 @@ def scoring_to_pb(scoring: Scoring) -> model_pb2.Scoring:
         top_n=scoring.top_n,
         logits_dtype=scoring.logits_dtype,
         score_ids=scoring.score_ids,
+        extras=model_pb2.ExtraOutputs(
+            entropy=scoring.extras.entropy,
+            varentropy=scoring.extras.varentropy,
+            attention_stats=scoring.extras.attention_stats,
+        ),
     )
 
 
@@ -131,6 +168,7 @@ def scoring_from_pb(message: model_pb2.Scoring) -> Scoring:
         top_n=message.top_n,
         logits_dtype=message.logits_dtype or "float32",
         score_ids=tuple(message.score_ids),
+        extras=Extras(message.extras.entropy, message.extras.varentropy, message.extras.attention_stats),
     )
 
 

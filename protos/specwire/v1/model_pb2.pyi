@@ -160,7 +160,7 @@ class SessionRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ...) -> None: ...
 
 class Scores(_message.Message):
-    __slots__ = ("kind", "argmax_ids", "dense", "sparse_ids", "sparse_values", "entropy", "varentropy", "attention_entropy")
+    __slots__ = ("kind", "argmax_ids", "dense", "sparse_ids", "sparse_values", "entropy", "varentropy", "attention_entropy", "attention_varentropy", "agreement", "interaction_strength")
     KIND_FIELD_NUMBER: _ClassVar[int]
     ARGMAX_IDS_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,9 @@ class Scores(_message.Message):
     ENTROPY_FIELD_NUMBER: _ClassVar[int]
     VARENTROPY_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_VARENTROPY_FIELD_NUMBER: _ClassVar[int]
+    AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    INTERACTION_STRENGTH_FIELD_NUMBER: _ClassVar[int]
     kind: ScoreKind
     argmax_ids: _common_pb2.Tensor
     dense: _common_pb2.Tensor
@@ -177,7 +180,10 @@ class Scores(_message.Message):
     entropy: _common_pb2.Tensor
     varentropy: _common_pb2.Tensor
     attention_entropy: _common_pb2.Tensor
-    def __init__(self, kind: _Optional[_Union[ScoreKind, str]] = ..., argmax_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., dense: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sparse_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sparse_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., varentropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., attention_entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    attention_varentropy: _common_pb2.Tensor
+    agreement: _common_pb2.Tensor
+    interaction_strength: _common_pb2.Tensor
+    def __init__(self, kind: _Optional[_Union[ScoreKind, str]] = ..., argmax_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., dense: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sparse_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sparse_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., varentropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., attention_entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., attention_varentropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., agreement: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., interaction_strength: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class SessionReply(_message.Message):
     __slots__ = ("scores", "proposed_ids", "proposal_scores", "num_tokens", "timing")
