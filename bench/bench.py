@@ -13,8 +13,14 @@ in a freshly shuffled order, so drifting machine load spreads over all of them):
       `hf_assisted_constant`       "constant" γ tokens, confidence threshold off (Leviathan et al.);
       `hf_prompt_lookup`           `prompt_lookup_num_tokens` = γ (n-gram matching, size ≤ 2);
   (c) `specwire_greedy`            target-only greedy through the orchestrator over gRPC;
-  (d) `specwire_speculative`       speculative with the draft model over gRPC, γ;
-      `specwire_speculative_ngram` speculative with the n-gram drafter (a second stack).
+  (d) `specwire_speculative`       speculative with the draft model over gRPC, the defaults: auto γ
+                                   (with target-only rounds when speculation is predicted slower)
+                                   and pipelined drafting;
+      `specwire_speculative_sequential` the draft model at a fixed γ, no pipelining, no fallback;
+      `specwire_speculative_ngram` speculative with the n-gram drafter (a second stack), defaults
+                                   (the orchestrator drafts: one target message per round);
+      `specwire_speculative_sampled` the defaults at temperature 1 (seeded): bytes per sampled
+                                   round (its tokens are not compared with greedy ones).
   (e) `specwire_sample`            target-only sampling at entropix's base warpers (T 0.666, top-p
                                    0.9, top-k 27), seeded, gRPC;
       `specwire_entropix`          entropy-adaptive sampling (reference defaults), seeded, gRPC;
@@ -29,7 +35,8 @@ Every row decodes greedily and ignores end-of-sequence (transformers: `eos_token
 specwire: `ignore_eos`), so every row generates exactly `max_new_tokens` tokens per prompt, and
 `matches_hf_target` records the share of (repeat, prompt) pairs whose tokens equal row (a)'s.
 With `--concurrency 1,2,4,8`, the report also has a top-level `concurrency` list: for each
-strategy (greedy; speculative when its row runs) and each stream count N, N `Generate` calls run
+strategy (greedy; speculative, with the `specwire_speculative` row's parameters, when that row
+runs) and each stream count N, N `Generate` calls run
 at once from N threads, each on prompt i mod the prompts, `--repeats` times. Per entry:
 `aggregate_tokens_per_s` (all streams' tokens over the wall time of the round of N, median over
 repeats; each repeat runs the levels in a shuffled order), `ratio_vs_one_stream` (the median over
@@ -37,7 +44,8 @@ repeats of the rate over one stream's in the same repeat), `p50_token_ms` / `p99
 streams and repeats, of a stream's wall time per token) and `matches_solo` (the share of streams
 whose tokens equal the N = 1 run on the same prompt).
 The specwire rows run against three real services started by `specwire.client.launcher.Stack` on
-loopback; time is measured by the client around each `Generate` call.
+loopback (`--rtt-ms R`: through the delay proxy, R ms round trip to each service); time is
+measured by the client around each `Generate` call.
 
 Derived figures (null where they do not apply):
   ratio_vs_hf_target / ratio_vs_hf_assisted: the median over repeats of this row's tokens/s over
@@ -101,14 +109,30 @@ ROWS = [
     RowSpec("hf_assisted_constant", "hf_assisted", "transformers assisted, constant γ"),
     RowSpec("hf_prompt_lookup", "hf_assisted", "transformers prompt lookup, γ tokens"),
     RowSpec("specwire_greedy", "specwire", "specwire greedy, target only, gRPC"),
-    RowSpec("specwire_speculative", "specwire", "specwire speculative, draft model, γ, gRPC"),
-    RowSpec("specwire_speculative_ngram", "specwire", "specwire speculative, n-gram drafter, γ, gRPC"),
+    RowSpec("specwire_speculative", "specwire", "specwire speculative, draft model, auto γ, pipelined, gRPC"),
+    RowSpec("specwire_speculative_sequential", "specwire", "specwire speculative, draft model, fixed γ, sequential"),
+    RowSpec("specwire_speculative_ngram", "specwire", "specwire speculative, n-gram drafter, auto γ, gRPC"),
+    RowSpec("specwire_speculative_sampled", "specwire", "specwire speculative, draft model, T=1, defaults"),
     RowSpec("specwire_sample", "specwire_sampled", "specwire sampling at entropix's base warpers, seeded, gRPC"),
     RowSpec("specwire_entropix", "specwire_sampled", "specwire entropix (entropy-adaptive), seeded, gRPC"),
     RowSpec("specwire_entropix_speculative", "specwire_sampled", "specwire entropix verified from draft proposals, γ"),
 ]
 # Entropix's base warpers (the reference's defaults), for a like-for-like sampling row.
 BASE_WARPERS = {"temperature": 0.666, "top_p": 0.9, "top_k": 27}
+# How each specwire row calls `Generate` beyond strategy, prompt and length; "gamma" = `--gamma`.
+SPECWIRE_PARAMS: dict[str, dict[str, Any]] = {
+    "specwire_greedy": {"strategy": "greedy"},
+    "specwire_speculative": {"strategy": "speculative"},
+    "specwire_speculative_sequential": {
+        "strategy": "speculative", "num_speculative_tokens": "gamma", "speculative_pipeline": False
+    },
+    "specwire_speculative_ngram": {"strategy": "speculative"},
+    "specwire_speculative_sampled": {"strategy": "speculative", "temperature": 1.0, "seed": 0},
+    # Seeded by the prompt's length (`specwire_sample`), so every run draws the same tokens.
+    "specwire_sample": {"strategy": "sample", **BASE_WARPERS},
+    "specwire_entropix": {"strategy": "entropix", **BASE_WARPERS},
+    "specwire_entropix_speculative": {"strategy": "entropix", "num_speculative_tokens": "gamma", **BASE_WARPERS},
+}
 ROW_NAMES = [row.name for row in ROWS]
 
 
@@ -126,6 +150,7 @@ class BenchConfig:
     seed: int = 0
     warmup: bool = True
     port: int = 0  # base port of the stacks (orchestrator; services on +1, +2; proxies +3, +4); 0 = free ones
+    rtt_ms: float = 0.0  # specwire rows: round trip through the delay proxy to each service
     show_progress: bool = True
     concurrency: tuple[int, ...] = ()  # stream counts of the concurrency measurement; () = none
 
@@ -140,6 +165,8 @@ class Sample:
     drafted: int = 0
     accepted: int = 0
     rejected: int = 0  # rounds ended by a rejected draft token (a correction)
+    off_rounds: int = 0  # target-only rounds auto γ chose
+    pipelined_rounds: int = 0
     target_forwards: int = 0
     draft_forwards: int = 0
     target_compute_ms: float = 0.0
@@ -329,15 +356,16 @@ class HfRunner:
 # -- specwire over gRPC -------------------------------------------------------------------------
 
 
-def specwire_sample(
-    client: Any, strategy: str, prompt_ids: list[int], max_new_tokens: int, gamma: int, speculate: bool = False
-) -> Sample:
-    """One `Generate` through an orchestrator; `client` is a `client.sdk.Client`."""
-    params: dict[str, Any] = {"strategy": strategy, "max_new_tokens": max_new_tokens, "ignore_eos": True}
-    if strategy == "speculative" or speculate:
-        params["num_speculative_tokens"] = gamma
-    if strategy in ("sample", "entropix"):
-        params |= BASE_WARPERS | {"seed": len(prompt_ids)}
+def row_params(row: str, gamma: int) -> dict[str, Any]:
+    """The `Generate` keywords of a specwire row, beyond prompt and length."""
+    return {name: gamma if value == "gamma" else value for name, value in SPECWIRE_PARAMS[row].items()}
+
+
+def specwire_sample(client: Any, params: dict[str, Any], prompt_ids: list[int], max_new_tokens: int) -> Sample:
+    """One `Generate` through an orchestrator; `client` is a `client.sdk.Client`, `params` its keywords."""
+    params = params | {"max_new_tokens": max_new_tokens, "ignore_eos": True}
+    if params["strategy"] in ("sample", "entropix"):
+        params["seed"] = len(prompt_ids)
     started = time.perf_counter()
     result = client.generate(input_ids=prompt_ids, **params)
     seconds = time.perf_counter() - started
@@ -349,6 +377,8 @@ def specwire_sample(
         drafted=s.drafted_tokens,
         accepted=s.accepted_tokens,
         rejected=s.corrections,
+        off_rounds=s.speculation_off_rounds,
+        pipelined_rounds=s.pipelined_rounds,
         target_forwards=s.target_forwards,
         draft_forwards=s.draft_forwards,
         target_compute_ms=s.target_compute_ms,
@@ -362,12 +392,14 @@ def specwire_sample(
 
 
 def concurrency_entries(
-    client: Any, strategy: str, prompt_ids: list[list[int]], levels: Sequence[int], max_new_tokens: int, gamma: int,
+    client: Any, params: dict[str, Any], prompt_ids: list[list[int]], levels: Sequence[int], max_new_tokens: int,
     repeats: int, seed: int = 0,
 ) -> list[dict[str, Any]]:
-    """N concurrent `Generate` calls per level (see the module docstring for the fields). Each
-    repeat runs every level once, in a freshly shuffled order, so load drift spreads over all."""
-    solo = {i: specwire_sample(client, strategy, ids, max_new_tokens, gamma).token_ids for i, ids in enumerate(prompt_ids)}
+    """N concurrent `Generate` calls per level, each with keywords `params` (see the module
+    docstring for the fields). Each repeat runs every level once, in a freshly shuffled order, so
+    load drift spreads over all."""
+    strategy = params["strategy"]
+    solo = {i: specwire_sample(client, params, ids, max_new_tokens).token_ids for i, ids in enumerate(prompt_ids)}
     rates: dict[int, list[float]] = {n: [] for n in levels}
     per_token_ms: dict[int, list[float]] = {n: [] for n in levels}
     matches: dict[int, list[bool]] = {n: [] for n in levels}
@@ -380,7 +412,7 @@ def concurrency_entries(
                 which = [i % len(prompt_ids) for i in range(streams)]
                 started = time.perf_counter()
                 samples = list(
-                    pool.map(lambda i: specwire_sample(client, strategy, prompt_ids[i], max_new_tokens, gamma), which)
+                    pool.map(lambda i: specwire_sample(client, params, prompt_ids[i], max_new_tokens), which)
                 )
                 wall = time.perf_counter() - started
                 rates[streams].append(sum(len(s.token_ids) for s in samples) / wall)
@@ -517,7 +549,8 @@ def summarize(results: dict[str, RowResult]) -> list[dict[str, Any]]:
 def _speculation_figures(result: RowResult, samples: list[Sample], baseline: RowResult | None) -> dict[str, Any]:
     """Speculation's figures; the measured speedup is over `baseline` (the row's non-speculative twin)."""
     empty = dict.fromkeys(
-        ["acceptance_rate", "alpha", "gamma", "cost_ratio_c", "predicted_speedup", "measured_speedup", "efficiency"]
+        ["acceptance_rate", "alpha", "gamma", "cost_ratio_c", "predicted_speedup", "measured_speedup", "efficiency",
+         "speculation_off_rounds_per_generation", "pipelined_round_share"]
     )
     tokens = sum(len(s.token_ids) for s in samples)
     target_forwards = sum(s.target_forwards for s in samples)
@@ -525,7 +558,7 @@ def _speculation_figures(result: RowResult, samples: list[Sample], baseline: Row
     drafted = sum(s.drafted for s in samples)
     if not samples or result.spec.name in ("hf_target", "specwire_greedy") or drafted == 0:
         return figures | empty
-    rounds = sum(s.rounds for s in samples)
+    rounds = sum(s.rounds - s.off_rounds for s in samples)  # speculative rounds
     accepted = sum(s.accepted for s in samples)
     alpha = alpha_estimate(accepted, sum(s.rejected for s in samples))
     gamma = drafted / rounds
@@ -542,6 +575,8 @@ def _speculation_figures(result: RowResult, samples: list[Sample], baseline: Row
         "predicted_speedup": predicted,
         "measured_speedup": measured,
         "efficiency": measured / predicted if measured is not None and predicted else None,
+        "speculation_off_rounds_per_generation": sum(s.off_rounds for s in samples) / len(samples),
+        "pipelined_round_share": _ratio(sum(s.pipelined_rounds for s in samples), rounds),
     }
 
 
@@ -596,8 +631,8 @@ def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple
     """The model-drafter stack and the n-gram stack, started in parallel; errors by stack name."""
     stack_configs: dict[str, StackConfig] = {}
     common = StackConfig(target_model=config.target_model, device=config.device, dtype=config.dtype)
-    if needed & {"specwire_greedy", "specwire_speculative", "specwire_sample", "specwire_entropix",
-                 "specwire_entropix_speculative"}:
+    common = replace(common, rtt_ms=config.rtt_ms)
+    if needed & (set(SPECWIRE_PARAMS) - {"specwire_speculative_ngram"}):
         port = config.port or free_base_port()
         stack_configs["model"] = replace(common, port=port, draft_model=config.draft_model, drafter="model")
     if "specwire_speculative_ngram" in needed:
@@ -655,11 +690,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             stack = "ngram" if row == "specwire_speculative_ngram" else "model"
             if stack in stack_errors:
                 raise RuntimeError(f"the {stack} stack did not start: {stack_errors[stack]}")
-            strategies = {"specwire_greedy": "greedy", "specwire_sample": "sample", "specwire_entropix": "entropix",
-                          "specwire_entropix_speculative": "entropix"}
-            strategy = strategies.get(row, "speculative")
-            speculate = row == "specwire_entropix_speculative"
-            return specwire_sample(clients[stack], strategy, ids, max_new_tokens, config.gamma, speculate)
+            return specwire_sample(clients[stack], row_params(row, config.gamma), ids, max_new_tokens)
 
         def attempt(result: RowResult, ids: list[int], max_new_tokens: int) -> Sample | None:
             try:
@@ -698,11 +729,11 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         concurrency: list[dict[str, Any]] = []
         if config.concurrency and "model" in clients:
             levels = sorted(set(config.concurrency) | {1})
-            strategies = ["greedy"] + (["speculative"] if "specwire_speculative" in config.rows else [])
-            for strategy in strategies:
+            measured = ["specwire_greedy"] + (["specwire_speculative"] if "specwire_speculative" in config.rows else [])
+            for row in measured:
                 concurrency += concurrency_entries(
-                    clients["model"], strategy, prompt_ids, levels, config.max_new_tokens, config.gamma, config.repeats,
-                    config.seed,
+                    clients["model"], row_params(row, config.gamma), prompt_ids, levels, config.max_new_tokens,
+                    config.repeats, config.seed,
                 )
         metadata: dict[str, Any] = {
             "schema": SCHEMA,
@@ -716,6 +747,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             "max_new_tokens": config.max_new_tokens,
             "repeats": config.repeats,
             "gamma": config.gamma,
+            "rtt_ms": config.rtt_ms,
             "device": str(hf.device),
             "dtype": str(next(hf.target.parameters()).dtype).removeprefix("torch."),
             "seed": config.seed,
@@ -762,6 +794,7 @@ def markdown_table(report: dict[str, Any]) -> str:
     columns = header.count("|") - 1
     lines = [
         f"{meta['prompts']} prompts × {meta['max_new_tokens']} new tokens × {meta['repeats']} repeats, γ = {meta['gamma']}, "
+        f"RTT {meta.get('rtt_ms', 0.0):g} ms to each specwire service, "
         f"{meta['device']} {meta['dtype']}, {meta['machine']['cpu_count']} CPUs, "
         f"target {meta['parameters']['target'] / 1e6:.1f}M / draft {meta['parameters']['draft'] / 1e6:.1f}M parameters; "
         f"one cached forward: target {meta['single_forward']['target_forward_ms']:.2f} ms, "
@@ -864,6 +897,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--concurrency", help="comma-separated stream counts (e.g. 1,2,4,8): concurrent generations per strategy"
     )
+    parser.add_argument(
+        "--rtt-ms", type=float, default=0.0, help="route the specwire rows through the delay proxy: round trip in ms"
+    )
     return parser
 
 
@@ -871,6 +907,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     target, draft = default_models(args.target_model, args.draft_model)
     if args.max_new_tokens < 1 or args.repeats < 1 or args.gamma < 1:
         raise SystemExit("--max-new-tokens, --repeats and --gamma must be ≥ 1")
+    if args.rtt_ms < 0:
+        raise SystemExit(f"--rtt-ms must be ≥ 0, got {args.rtt_ms}")
     rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else tuple(ROW_NAMES)
     try:
         concurrency = tuple(int(n) for n in args.concurrency.split(",")) if args.concurrency else ()
@@ -892,6 +930,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         warmup=not args.no_warmup,
         port=args.port,
         concurrency=concurrency,
+        rtt_ms=args.rtt_ms,
     )
 
 

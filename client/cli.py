@@ -1,4 +1,4 @@
-"""The `specwire` command line: serve, up, generate, demo, trace."""
+"""The `specwire` command line: serve, up, generate, demo, trace, bench, experiment, distill."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Any
 from specwire.bench import bench, experiment, soak
 from specwire.bench.entropix_plot import STATE_COLOURS, plot_decisions
 from specwire.client.sdk import Client, GenerateResult, GenerationError, enum_names, stats_as_dict
+from specwire.draft_service import distill
 from specwire.v1 import orchestrator_pb2
 
 from specwire import __version__
@@ -32,7 +33,7 @@ GENERATION_FLAGS: list[tuple[str, Any, str]] = [
     ("--num-beams", int, "beams for --strategy beam / contrastive"),
     ("--length-penalty", float, "beam score = sum log p / length^length_penalty"),
     ("--num-return-sequences", int, "beam hypotheses to return (≤ num_beams)"),
-    ("--num-speculative-tokens", int, "γ: draft tokens per speculative round (with entropix: speculate)"),
+    ("--num-speculative-tokens", int, "γ: draft tokens per speculative round, 0 or unset = auto (with entropix: speculate)"),
     ("--draft-confidence-threshold", float, "draft stops proposing below this top probability"),
     ("--cd-alpha", float, "contrastive plausibility cut-off α"),
     ("--cd-beta", float, "O'Brien & Lewis contrast weight β"),
@@ -178,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(commands)
     experiment.add_parser(commands)
     soak.add_parser(commands)
+    distill.add_parser(commands)
     return parser
 
 
@@ -401,8 +403,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                  {"strategy": "greedy", "repetition_penalty": 1.3, "no_repeat_ngram_size": 3}),
                 ("sample (T=0.8, top-p 0.95, seed 1)", {"strategy": "sample", "temperature": 0.8, "top_p": 0.95, "seed": 1}),
                 ("beam (4 beams, no repeated 3-grams)", {"strategy": "beam", "num_beams": 4, "no_repeat_ngram_size": 3}),
-                ("speculative (γ=4): same text as greedy, fewer target forwards",
-                 {"strategy": "speculative", "num_speculative_tokens": 4}),
+                ("speculative (auto γ, pipelined drafting): same text as greedy, fewer target forwards",
+                 {"strategy": "speculative"}),
                 ("contrastive (O'Brien & Lewis, α=0.1, β=0.5)", {"strategy": "contrastive"}),
                 ("entropix (entropy-adaptive, reference defaults, seed 1)", {"strategy": "entropix", "seed": 1}),
             ]
@@ -511,7 +513,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "soak": soak.run}
+COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "soak": soak.run, "distill": distill.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -35,8 +35,9 @@ from specwire.orchestrator.entropix import (
     decide,
     policy_distribution,
 )
-from specwire.orchestrator.speculative import SessionSync, _count, accept_draft
+from specwire.orchestrator.speculative import SessionSync, _count
 
+from specwire.acceptance import accept_draft
 from specwire.session import Extras, OpenRequest, ScoreKind, Scoring, StepRequest, StepResult
 
 EXTRAS = Extras(entropy=True, varentropy=True, attention_stats=True)

@@ -58,7 +58,8 @@ class GenerationParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     num_return_sequences: int = 1
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | None = None  # None = auto: chosen each round by the latency model
+    speculative_pipeline: bool = True
     draft_confidence_threshold: float = 0.0
     cd_form: str = "obrien"
     cd_alpha: float = 0.1
@@ -182,9 +183,11 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     early: dict[str, bool | str] = {"false": False, "true": True, "never": "never"}
     early_stopping = early[enum_name(request, "early_stopping", EARLY_STOPPING_VALUES)]
 
-    gamma = int(_opt(request, "num_speculative_tokens", 4))
-    if not 1 <= gamma <= MAX_SPECULATIVE_TOKENS:
-        raise InvalidArgument("num_speculative_tokens", f"must be in [1, {MAX_SPECULATIVE_TOKENS}], got {gamma}")
+    gamma = int(_opt(request, "num_speculative_tokens", 0))
+    if not 0 <= gamma <= MAX_SPECULATIVE_TOKENS:
+        raise InvalidArgument(
+            "num_speculative_tokens", f"must be in [1, {MAX_SPECULATIVE_TOKENS}], or 0 for auto; got {gamma}"
+        )
     threshold = _finite(_opt(request, "draft_confidence_threshold", 0.0), "draft_confidence_threshold")
     if not 0 <= threshold < 1:
         raise InvalidArgument("draft_confidence_threshold", f"must be in [0, 1), got {threshold}")
@@ -236,14 +239,15 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
         length_penalty=length_penalty,
         early_stopping=early_stopping,
         num_return_sequences=num_return,
-        num_speculative_tokens=gamma,
+        num_speculative_tokens=gamma or None,
+        speculative_pipeline=request.speculative_pipeline if request.HasField("speculative_pipeline") else True,
         draft_confidence_threshold=threshold,
         cd_form=cd_form,
         cd_alpha=cd_alpha,
         cd_beta=cd_beta,
         amateur_temperature=amateur_t,
         entropix=entropix,
-        entropix_speculative=entropix is not None and request.HasField("num_speculative_tokens"),
+        entropix_speculative=entropix is not None and gamma > 0,  # a fixed γ; auto (0) is plain entropix
         do_sample=sampling_asked and temperature > 0,
     )
 

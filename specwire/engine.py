@@ -23,6 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 
 from specwire import attention_probe
+from specwire.acceptance import accept_draft
 from specwire.batching import ForwardJob, Scheduler
 from specwire.entropy_metrics import AttentionStats, PositionMetrics, attention_stats, token_entropy
 from specwire.errors import InvalidArgument, StatusError, check_token_ids
@@ -43,6 +44,8 @@ from specwire.session import (
     ServerTiming,
     StepRequest,
     StepResult,
+    Verdict,
+    Verification,
 )
 from specwire.slot_cache import SlotCache
 
@@ -225,7 +228,7 @@ class Engine:
             tokenizer_fingerprint=self._fingerprint,
             eos_token_ids=self.lm.eos_token_ids,
             max_context=self.max_tokens,
-            capabilities=["session", "propose", "branches", "entropy", "attention_stats"]
+            capabilities=["session", "propose", "branches", "verify", "entropy", "attention_stats"]
             + (["batching"] if self.batches else []),
             role=self.role,
             tokenizer_source=self.lm.tokenizer_source,
@@ -524,12 +527,17 @@ class EngineSession:
             self._append(request.append_ids)
         if not 0 <= request.propose <= MAX_PROPOSE:
             raise InvalidArgument("propose", f"must be in [0, {MAX_PROPOSE}], got {request.propose}")
+        if request.verify is not None:
+            if request.propose:
+                raise InvalidArgument("verify", "cannot be combined with propose")
+            return self._verify(request.scoring, request.verify)
         return self._finish(
             request.scoring,
             request.propose,
             request.propose_greedy,
             request.propose_seed,
             request.propose_min_confidence,
+            request.propose_ids_only,
         )
 
     def set_deadline(self, seconds: float) -> None:
@@ -601,18 +609,22 @@ class EngineSession:
         if extras.wanted:  # of the raw distribution, before any processor, on the device
             entropy, varentropy = token_entropy(logits.flatten(0, 1))  # [branches·positions] each
             metrics = PositionMetrics(entropy, varentropy, attention)
-        scores = self._processed_scores(scoring, logits, score_ids)
+        scores = self._encode_scores(scoring, self._process_positions(scoring, logits), score_ids)
         scores.metrics = metrics
         return scores
 
-    def _processed_scores(self, scoring: Scoring, logits: torch.Tensor, score_ids: torch.Tensor | None) -> Scores:
-        """What `scoring` asks for from [branches, positions, vocab] raw logits."""
+    def _process_positions(self, scoring: Scoring, logits: torch.Tensor) -> torch.Tensor:
+        """[branches, positions, vocab] raw logits processed for `scoring.kind`, each position
+        with its own history: [branches·positions, vocab]."""
         positions = logits.shape[1]
         per_position = []
         for j in range(positions):
             history = self.tokens[:, : self.length - positions + j + 1].to(logits.device)
             per_position.append(self._process(scoring, logits[:, j], history))
-        processed = torch.stack(per_position, dim=1).flatten(0, 1)  # [branches·positions, vocab]
+        return torch.stack(per_position, dim=1).flatten(0, 1)
+
+    def _encode_scores(self, scoring: Scoring, processed: torch.Tensor, score_ids: torch.Tensor | None) -> Scores:
+        """What `scoring` asks for from processed [branches·positions, vocab] scores."""
         config = self.processing
         if scoring.kind == ScoreKind.ARGMAX:
             return Scores(ScoreKind.ARGMAX, argmax_ids=processed.argmax(dim=-1).to(torch.int32))
@@ -626,6 +638,59 @@ class EngineSession:
             ids = score_ids.to(torch.int32).expand(values.shape[0], -1)
             return Scores(scoring.kind, sparse_ids=ids, sparse_values=values.to(dtype))
         return _encode_top(scoring.kind, processed, scoring.top_n, dtype)
+
+    def _processed(self, scoring: Scoring, more: bool = False) -> torch.Tensor:
+        """The last `scoring.positions` positions of each branch, processed for `scoring.kind`:
+        [branches·positions, vocab]."""
+        return self._process_positions(scoring, self._forward(scoring.positions, more))
+
+    def _verify(self, scoring: Scoring, verify: Verification) -> StepResult:
+        """Speculative sampling's decision on this service's p (`specwire.acceptance`): the
+        drafts are the last γ tokens, q comes with the request, the draws from its seed."""
+        calls_before = self.forward_calls
+        draft_probs = self._draft_probs(verify.draft_probs)  # [γ, vocab] float32, on CPU
+        gamma = int(draft_probs.shape[0])
+        if self.num_branches != 1:
+            raise InvalidArgument("verify", f"needs one branch, the session has {self.num_branches}")
+        if scoring.kind != ScoreKind.PROBS or scoring.positions != gamma + 1:
+            raise InvalidArgument(
+                "verify", f"needs scoring PROBS at γ + 1 = {gamma + 1} positions, got {scoring.kind.name} at {scoring.positions}"
+            )
+        if not 1 <= scoring.positions <= self.length:
+            raise InvalidArgument("scoring.positions", f"must be in [1, {self.length}], got {scoring.positions}")
+        drafts = self.tokens[0, self.length - gamma :]  # [γ]
+        if bool((draft_probs.gather(-1, drafts.unsqueeze(-1)) <= 0).any()):
+            raise InvalidArgument("verify.draft_probs", "q of each drafted token must be > 0")
+        target_probs = self._processed(scoring).float().cpu()  # [γ+1, vocab]
+        generator = torch.Generator().manual_seed(verify.seed)
+        accepted_len, next_token = accept_draft(drafts, draft_probs, target_probs, generator)
+        return StepResult(
+            num_tokens=self.length,
+            verdict=Verdict(accepted_len, next_token),
+            timing=ServerTiming(forward_calls=self.forward_calls - calls_before),
+        )
+
+    def _draft_probs(self, scores: Scores) -> torch.Tensor:
+        """`Verify.draft_probs` as checked dense rows: [γ, vocab] float32."""
+        vocab = self.lm.vocab_size
+        ids, values, dense = scores.sparse_ids, scores.sparse_values, scores.dense
+        if dense is not None:
+            rows = dense.float()
+            if rows.dim() != 2 or rows.shape[1] != vocab:
+                raise InvalidArgument("verify.draft_probs", f"dense rows must be [γ, {vocab}], got {list(rows.shape)}")
+        elif ids is not None and values is not None:
+            if ids.dim() != 2 or ids.shape != values.shape:
+                raise InvalidArgument("verify.draft_probs", "sparse ids and values must both be [γ, k]")
+            if bool(((ids < -1) | (ids >= vocab)).any()):
+                raise InvalidArgument("verify.draft_probs", f"sparse ids must be -1 (padding) or in [0, {vocab})")
+            rows = scores.to_dense(vocab, 0.0)
+        else:
+            raise InvalidArgument("verify.draft_probs", "must carry dense rows or sparse ids and values")
+        if rows.shape[0] > MAX_PROPOSE:
+            raise InvalidArgument("verify.draft_probs", f"at most {MAX_PROPOSE} rows, got {rows.shape[0]}")
+        if not bool(torch.isfinite(rows).all()) or bool((rows < 0).any()) or bool((rows > 1).any()):
+            raise InvalidArgument("verify.draft_probs", "probabilities must be finite and in [0, 1]")
+        return rows
 
     def _score_ids(self, scoring: Scoring) -> torch.Tensor | None:
         """`scoring.score_ids` as an index, or None when every id (or the top_n) is wanted."""
@@ -681,13 +746,17 @@ class EngineSession:
         probs = torch.stack(dists, dim=1).flatten(0, 1)  # [branches·n, vocab]
         return proposed, encode_probs(probs, self.processing)
 
-    def _finish(self, scoring: Scoring, propose: int, greedy: bool, seed: int, min_confidence: float) -> StepResult:
+    def _finish(
+        self, scoring: Scoring, propose: int, greedy: bool, seed: int, min_confidence: float, ids_only: bool = False
+    ) -> StepResult:
         calls_before = self.forward_calls
         scores = self._score(scoring, more=propose > 0)
         proposed, proposal_scores = None, None
         if propose > 0:
             self._check_length(self.length + propose, "propose")
             proposed, proposal_scores = self._propose(propose, greedy, seed, min_confidence)
+            if ids_only:
+                proposal_scores = None
         if self.lm.device.type == "cuda":
             # Whoever times this call (the servicer, a LocalSession) must see the GPU work in it.
             torch.cuda.synchronize(self.lm.device)

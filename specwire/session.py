@@ -66,6 +66,24 @@ class OpenRequest:
 
 
 @dataclass(frozen=True)
+class Verification:
+    """Speculative sampling decided where p is: the step's last `rows` appended tokens are the
+    drafts, `draft_probs` their q (one row each, sparse is enough), `seed` the orchestrator's
+    seed for the acceptance draws. The step must score PROBS at rows + 1 positions."""
+
+    draft_probs: Scores  # [γ, k] sparse (or [γ, vocab] dense) rows of the draft's distribution
+    seed: int
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What verification decided: the drafts accepted, then the correction or bonus token."""
+
+    accepted_len: int
+    next_token: int
+
+
+@dataclass(frozen=True)
 class StepRequest:
     keep_tokens: int | None = None
     branch_order: list[int] = field(default_factory=list)
@@ -76,6 +94,8 @@ class StepRequest:
     propose_seed: int = 0
     propose_min_confidence: float = 0.0
     tree_parents: list[int] = field(default_factory=list)
+    verify: Verification | None = None
+    propose_ids_only: bool = False  # no proposal_scores in the result
     trace: dict[str, str] | None = None
 
 
@@ -123,6 +143,7 @@ class StepResult:
     proposed_ids: torch.Tensor | None = None  # [branches, n]
     proposal_scores: Scores | None = None
     num_tokens: int = 0
+    verdict: Verdict | None = None  # a step with `verify`: its decision, in place of scores
     timing: ServerTiming = field(default_factory=ServerTiming)
 
 

@@ -12,6 +12,7 @@ from typing import cast
 import torch
 
 from specwire.entropy_metrics import AttentionStats, PositionMetrics
+from specwire.errors import InvalidArgument
 from specwire.processing import ProcessingConfig
 from specwire.session import (
     Extras,
@@ -23,6 +24,8 @@ from specwire.session import (
     ServerTiming,
     StepRequest,
     StepResult,
+    Verdict,
+    Verification,
 )
 from specwire.slot_cache import CacheUsage
 from specwire.v1 import common_pb2, model_pb2
@@ -210,10 +213,14 @@ def step_to_pb(request: StepRequest) -> model_pb2.SessionRequest:
         propose_seed=request.propose_seed,
         propose_min_confidence=request.propose_min_confidence,
         tree_parents=request.tree_parents,
+        propose_ids_only=request.propose_ids_only,
         trace=_trace_to_pb(request.trace),
     )
     if request.keep_tokens is not None:
         message.keep_tokens = request.keep_tokens
+    if request.verify is not None:
+        message.verify.draft_probs.CopyFrom(scores_to_pb(request.verify.draft_probs))
+        message.verify.seed = request.verify.seed
     return model_pb2.SessionRequest(step=message)
 
 
@@ -238,8 +245,18 @@ def step_from_pb(message: model_pb2.Step) -> StepRequest:
         propose_seed=message.propose_seed,
         propose_min_confidence=message.propose_min_confidence,
         tree_parents=list(message.tree_parents),
+        verify=_verification_from_pb(message.verify) if message.HasField("verify") else None,
+        propose_ids_only=message.propose_ids_only,
         trace=_trace_from_pb(message.trace),
     )
+
+
+def _verification_from_pb(message: model_pb2.Verify) -> Verification:
+    try:
+        draft_probs = scores_from_pb(message.draft_probs)
+    except ValueError as error:  # a malformed tensor or an unknown kind
+        raise InvalidArgument("verify.draft_probs", str(error)) from None
+    return Verification(draft_probs, message.seed)
 
 
 def result_to_pb(result: StepResult) -> model_pb2.SessionReply:
@@ -257,6 +274,9 @@ def result_to_pb(result: StepResult) -> model_pb2.SessionReply:
         reply.proposed_ids.CopyFrom(tensor_to_pb(result.proposed_ids.to(torch.int32)))
     if result.proposal_scores is not None:
         reply.proposal_scores.CopyFrom(scores_to_pb(result.proposal_scores))
+    if result.verdict is not None:
+        reply.verdict.accepted_length = result.verdict.accepted_len
+        reply.verdict.next_token = result.verdict.next_token
     return reply
 
 
@@ -266,6 +286,9 @@ def result_from_pb(reply: model_pb2.SessionReply) -> StepResult:
         proposed_ids=tensor_from_pb(reply.proposed_ids) if reply.HasField("proposed_ids") else None,
         proposal_scores=scores_from_pb(reply.proposal_scores) if reply.HasField("proposal_scores") else None,
         num_tokens=reply.num_tokens,
+        verdict=(
+            Verdict(reply.verdict.accepted_length, reply.verdict.next_token) if reply.HasField("verdict") else None
+        ),
         timing=ServerTiming(
             queue_us=reply.timing.queue_us,
             compute_us=reply.timing.compute_us,

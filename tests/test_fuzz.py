@@ -70,6 +70,14 @@ def set_field(request: orchestrator_pb2.GenerateRequest, name: str, value: Any) 
         setattr(request, name, value)
 
 
+def reproducible(fields: dict[str, Any]) -> bool:
+    """Whether two runs of a request must give the same tokens: not a sampled speculative one at
+    auto γ, whose rounds follow measured timings (the seed fixes the draws, not the γ sequence)."""
+    sampled = any(name in fields for name in WARPERS)
+    auto = not fields.get("num_speculative_tokens")
+    return not (fields["strategy"] == "speculative" and sampled and auto)
+
+
 @dataclass
 class Case:
     kind: str  # "in-bounds", "adversarial" or "random"
@@ -158,7 +166,12 @@ class Generator:
             if r.random() < 0.3:
                 fields["num_speculative_tokens"] = r.choice([1, 4, 64])  # verified from the draft
         if strategy == "speculative":
-            fields["num_speculative_tokens"] = r.choice([1, 4, 64])
+            gamma = r.choice([None, 0, 1, 4, 64])  # None (unset) and 0 mean auto
+            if gamma is not None:
+                fields["num_speculative_tokens"] = gamma
+            pipeline = r.choice([None, True, False])
+            if pipeline is not None:
+                fields["speculative_pipeline"] = pipeline
             if r.random() < 0.3:
                 fields["draft_confidence_threshold"] = r.choice([0.0, 0.5, 0.999])
         if strategy == "contrastive":
@@ -183,7 +196,7 @@ class Generator:
             "no_repeat_ngram_size": lambda: r.choice([-1, -(2**31)]),
             "length_penalty": lambda: r.choice([20.5, -21.0, 400.0, 1e38, nan, inf]),
             "early_stopping": lambda: r.choice(["sometimes", "yes", long_text]),
-            "num_speculative_tokens": lambda: r.choice([0, -3, 65, 2**31 - 1]),
+            "num_speculative_tokens": lambda: r.choice([-1, -3, 65, 2**31 - 1, -(2**31)]),
             "draft_confidence_threshold": lambda: r.choice([1.0, -0.1, 2.0, nan]),
             "cd_form": lambda: r.choice(["lewis", "obrien-li", long_text]),
             "cd_alpha": lambda: r.choice([0.0, -0.1, 1.5, nan, 1e-46]),
@@ -304,7 +317,11 @@ class Generator:
         return fields
 
     def cases(self, in_bounds: int, adversarial: int, random_: int) -> list[Case]:
-        cases = [Case("in-bounds", self.in_bounds(), self.rng.random() < 0.3, compare=self.rng.random() < 0.5) for _ in range(in_bounds)]
+        cases = []
+        for _ in range(in_bounds):
+            fields = self.in_bounds()
+            stream, compare = self.rng.random() < 0.3, self.rng.random() < 0.5
+            cases.append(Case("in-bounds", fields, stream, compare=compare and reproducible(fields)))
         for _ in range(adversarial):
             fields, broken = self.adversarial()
             cases.append(Case("adversarial", fields, self.rng.random() < 0.5, broken))

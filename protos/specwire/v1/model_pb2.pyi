@@ -128,7 +128,7 @@ class Scoring(_message.Message):
     def __init__(self, kind: _Optional[_Union[ScoreKind, str]] = ..., positions: _Optional[int] = ..., top_n: _Optional[int] = ..., logits_dtype: _Optional[str] = ..., extras: _Optional[_Union[ExtraOutputs, _Mapping]] = ..., score_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("keep_tokens", "branch_order", "append_ids", "scoring", "propose", "propose_greedy", "propose_seed", "propose_min_confidence", "tree_parents", "trace")
+    __slots__ = ("keep_tokens", "branch_order", "append_ids", "scoring", "propose", "propose_greedy", "propose_seed", "propose_min_confidence", "tree_parents", "verify", "propose_ids_only", "trace")
     KEEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BRANCH_ORDER_FIELD_NUMBER: _ClassVar[int]
     APPEND_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,8 @@ class Step(_message.Message):
     PROPOSE_SEED_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     TREE_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_IDS_ONLY_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
     keep_tokens: int
     branch_order: _containers.RepeatedScalarFieldContainer[int]
@@ -148,8 +150,26 @@ class Step(_message.Message):
     propose_seed: int
     propose_min_confidence: float
     tree_parents: _containers.RepeatedScalarFieldContainer[int]
+    verify: Verify
+    propose_ids_only: bool
     trace: _common_pb2.TraceContext
-    def __init__(self, keep_tokens: _Optional[int] = ..., branch_order: _Optional[_Iterable[int]] = ..., append_ids: _Optional[_Iterable[int]] = ..., scoring: _Optional[_Union[Scoring, _Mapping]] = ..., propose: _Optional[int] = ..., propose_greedy: _Optional[bool] = ..., propose_seed: _Optional[int] = ..., propose_min_confidence: _Optional[float] = ..., tree_parents: _Optional[_Iterable[int]] = ..., trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
+    def __init__(self, keep_tokens: _Optional[int] = ..., branch_order: _Optional[_Iterable[int]] = ..., append_ids: _Optional[_Iterable[int]] = ..., scoring: _Optional[_Union[Scoring, _Mapping]] = ..., propose: _Optional[int] = ..., propose_greedy: _Optional[bool] = ..., propose_seed: _Optional[int] = ..., propose_min_confidence: _Optional[float] = ..., tree_parents: _Optional[_Iterable[int]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., propose_ids_only: _Optional[bool] = ..., trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
+
+class Verify(_message.Message):
+    __slots__ = ("draft_probs", "seed")
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    draft_probs: Scores
+    seed: int
+    def __init__(self, draft_probs: _Optional[_Union[Scores, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("accepted_length", "next_token")
+    ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    accepted_length: int
+    next_token: int
+    def __init__(self, accepted_length: _Optional[int] = ..., next_token: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("open", "step")
@@ -186,15 +206,17 @@ class Scores(_message.Message):
     def __init__(self, kind: _Optional[_Union[ScoreKind, str]] = ..., argmax_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., dense: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sparse_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sparse_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., varentropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., attention_entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., attention_varentropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., agreement: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., interaction_strength: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class SessionReply(_message.Message):
-    __slots__ = ("scores", "proposed_ids", "proposal_scores", "num_tokens", "timing")
+    __slots__ = ("scores", "proposed_ids", "proposal_scores", "num_tokens", "timing", "verdict")
     SCORES_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_IDS_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_SCORES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
     scores: Scores
     proposed_ids: _common_pb2.Tensor
     proposal_scores: Scores
     num_tokens: int
     timing: _common_pb2.ServerTiming
-    def __init__(self, scores: _Optional[_Union[Scores, _Mapping]] = ..., proposed_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., proposal_scores: _Optional[_Union[Scores, _Mapping]] = ..., num_tokens: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ServerTiming, _Mapping]] = ...) -> None: ...
+    verdict: Verdict
+    def __init__(self, scores: _Optional[_Union[Scores, _Mapping]] = ..., proposed_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., proposal_scores: _Optional[_Union[Scores, _Mapping]] = ..., num_tokens: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ServerTiming, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ...) -> None: ...
