@@ -13,20 +13,36 @@ in a freshly shuffled order, so drifting machine load spreads over all of them):
       `hf_assisted_constant`       "constant" γ tokens, confidence threshold off (Leviathan et al.);
       `hf_prompt_lookup`           `prompt_lookup_num_tokens` = γ (n-gram matching, size ≤ 2);
   (c) `specwire_greedy`            target-only greedy through the orchestrator over gRPC;
-  (d) `specwire_speculative`       speculative with the draft model over gRPC, γ;
-      `specwire_speculative_ngram` speculative with the n-gram drafter (a second stack);
-  (e) `specwire_medusa`            Medusa with the target's heads (`--medusa`, default: the demo
+  (d) `specwire_speculative`       speculative with the draft model over gRPC, the defaults: auto γ
+                                   (with target-only rounds when speculation is predicted slower)
+                                   and pipelined drafting;
+      `specwire_speculative_sequential` the draft model at a fixed γ, no pipelining, no fallback;
+      `specwire_speculative_ngram` speculative with the n-gram drafter (a second stack), defaults
+                                   (the orchestrator drafts: one target message per round);
+      `specwire_speculative_sampled` the defaults at temperature 1 (seeded): bytes per sampled
+                                   round (its tokens are not compared with greedy ones).
+  (e) `specwire_sample`            target-only sampling at entropix's base warpers (T 0.666, top-p
+                                   0.9, top-k 27), seeded, gRPC;
+      `specwire_entropix`          entropy-adaptive sampling (reference defaults), seeded, gRPC;
+      `specwire_entropix_speculative` the same policy verifying γ draft tokens per round (its
+                                   speedup is measured over `specwire_entropix`).
+      The (e) rows sample, so they are not compared with (a)'s tokens. `entropix_metrics_cost` in
+      the metadata times (thread CPU time, one torch thread), in-process and interleaved, one
+      cached target step scoring the top 100 logits with and without the entropix metrics
+      (`Scoring.extras`): the metrics' cost as a share of the target's step.
+  (f) `specwire_medusa`            Medusa with the target's heads (`--medusa`, default: the demo
                                    target's), the default tree, greedy, over gRPC;
-      `specwire_medusa_lossless`   the same, sampled at T = 0.7 with lossless tree acceptance;
-      `specwire_medusa_typical`    the same, sampled at T = 0.7 with typical acceptance (LOSSY).
-      The sampled rows do not decode greedily: their `matches_hf_target` is not a check, and
+      `specwire_medusa_lossless`   the same, sampled at T = 0.7 (seeded) with lossless tree acceptance;
+      `specwire_medusa_typical`    the same, sampled at T = 0.7 (seeded) with typical acceptance (LOSSY).
+      The sampled Medusa rows do not decode greedily: they are not compared with (a)'s tokens, and
       their speed-up is over the greedy row (c), which costs what target-only sampling costs.
 
 Every row decodes greedily and ignores end-of-sequence (transformers: `eos_token_id=None`;
 specwire: `ignore_eos`), so every row generates exactly `max_new_tokens` tokens per prompt, and
 `matches_hf_target` records the share of (repeat, prompt) pairs whose tokens equal row (a)'s.
 With `--concurrency 1,2,4,8`, the report also has a top-level `concurrency` list: for each
-strategy (greedy; speculative when its row runs) and each stream count N, N `Generate` calls run
+strategy (greedy; speculative, with the `specwire_speculative` row's parameters, when that row
+runs) and each stream count N, N `Generate` calls run
 at once from N threads, each on prompt i mod the prompts, `--repeats` times. Per entry:
 `aggregate_tokens_per_s` (all streams' tokens over the wall time of the round of N, median over
 repeats; each repeat runs the levels in a shuffled order), `ratio_vs_one_stream` (the median over
@@ -34,7 +50,8 @@ repeats of the rate over one stream's in the same repeat), `p50_token_ms` / `p99
 streams and repeats, of a stream's wall time per token) and `matches_solo` (the share of streams
 whose tokens equal the N = 1 run on the same prompt).
 The specwire rows run against three real services started by `specwire.client.launcher.Stack` on
-loopback; time is measured by the client around each `Generate` call.
+loopback (`--rtt-ms R`: through the delay proxy, R ms round trip to each service); time is
+measured by the client around each `Generate` call.
 
 Derived figures (null where they do not apply):
   ratio_vs_hf_target / ratio_vs_hf_assisted: the median over repeats of this row's tokens/s over
@@ -98,18 +115,41 @@ ROWS = [
     RowSpec("hf_assisted_constant", "hf_assisted", "transformers assisted, constant γ"),
     RowSpec("hf_prompt_lookup", "hf_assisted", "transformers prompt lookup, γ tokens"),
     RowSpec("specwire_greedy", "specwire", "specwire greedy, target only, gRPC"),
-    RowSpec("specwire_speculative", "specwire", "specwire speculative, draft model, γ, gRPC"),
-    RowSpec("specwire_speculative_ngram", "specwire", "specwire speculative, n-gram drafter, γ, gRPC"),
+    RowSpec("specwire_speculative", "specwire", "specwire speculative, draft model, auto γ, pipelined, gRPC"),
+    RowSpec("specwire_speculative_sequential", "specwire", "specwire speculative, draft model, fixed γ, sequential"),
+    RowSpec("specwire_speculative_ngram", "specwire", "specwire speculative, n-gram drafter, auto γ, gRPC"),
+    RowSpec("specwire_speculative_sampled", "specwire", "specwire speculative, draft model, T=1, defaults"),
+    RowSpec("specwire_sample", "specwire_sampled", "specwire sampling at entropix's base warpers, seeded, gRPC"),
+    RowSpec("specwire_entropix", "specwire_sampled", "specwire entropix (entropy-adaptive), seeded, gRPC"),
+    RowSpec("specwire_entropix_speculative", "specwire_sampled", "specwire entropix verified from draft proposals, γ"),
     RowSpec("specwire_medusa", "specwire", "specwire Medusa, target's heads, greedy, gRPC"),
-    RowSpec("specwire_medusa_lossless", "specwire", "specwire Medusa, T=0.7, lossless tree acceptance, gRPC"),
-    RowSpec("specwire_medusa_typical", "specwire", "specwire Medusa, T=0.7, typical acceptance (lossy), gRPC"),
+    RowSpec("specwire_medusa_lossless", "specwire_medusa_sampled", "specwire Medusa, T=0.7, lossless tree acceptance, gRPC"),
+    RowSpec("specwire_medusa_typical", "specwire_medusa_sampled", "specwire Medusa, T=0.7, typical acceptance (lossy), gRPC"),
 ]
-MEDUSA_ROWS: dict[str, dict[str, Any]] = {
+# Row groups that sample: their tokens are not compared with greedy ones.
+SAMPLED_GROUPS = ("specwire_sampled", "specwire_medusa_sampled")
+# Entropix's base warpers (the reference's defaults), for a like-for-like sampling row.
+BASE_WARPERS = {"temperature": 0.666, "top_p": 0.9, "top_k": 27}
+# How each specwire row calls `Generate` beyond strategy, prompt and length; "gamma" = `--gamma`.
+SPECWIRE_PARAMS: dict[str, dict[str, Any]] = {
+    "specwire_greedy": {"strategy": "greedy"},
+    "specwire_speculative": {"strategy": "speculative"},
+    "specwire_speculative_sequential": {
+        "strategy": "speculative", "num_speculative_tokens": "gamma", "speculative_pipeline": False
+    },
+    "specwire_speculative_ngram": {"strategy": "speculative"},
+    "specwire_speculative_sampled": {"strategy": "speculative", "temperature": 1.0, "seed": 0},
+    # Seeded by the prompt's length (`specwire_sample`), so every run draws the same tokens.
+    "specwire_sample": {"strategy": "sample", **BASE_WARPERS},
+    "specwire_entropix": {"strategy": "entropix", **BASE_WARPERS},
+    "specwire_entropix_speculative": {"strategy": "entropix", "num_speculative_tokens": "gamma", **BASE_WARPERS},
+    # Medusa (`--medusa` heads on the model stack's target; `--medusa-choices` sets their tree).
     "specwire_medusa": {"strategy": "medusa"},
     "specwire_medusa_lossless": {"strategy": "medusa", "temperature": 0.7, "medusa_acceptance": "lossless"},
     "specwire_medusa_typical": {"strategy": "medusa", "temperature": 0.7, "medusa_acceptance": "typical"},
 }
 ROW_NAMES = [row.name for row in ROWS]
+MEDUSA_ROWS = [name for name, params in SPECWIRE_PARAMS.items() if params["strategy"] == "medusa"]
 
 
 @dataclass(frozen=True)
@@ -126,6 +166,7 @@ class BenchConfig:
     seed: int = 0
     warmup: bool = True
     port: int = 0  # base port of the stacks (orchestrator; services on +1, +2; proxies +3, +4); 0 = free ones
+    rtt_ms: float = 0.0  # specwire rows: round trip through the delay proxy to each service
     show_progress: bool = True
     concurrency: tuple[int, ...] = ()  # stream counts of the concurrency measurement; () = none
     medusa: str | None = None  # the target's Medusa heads (the medusa rows)
@@ -142,6 +183,8 @@ class Sample:
     drafted: int = 0
     accepted: int = 0
     rejected: int = 0  # rounds ended by a rejected draft token (a correction)
+    off_rounds: int = 0  # target-only rounds auto γ chose
+    pipelined_rounds: int = 0
     target_forwards: int = 0
     draft_forwards: int = 0
     target_compute_ms: float = 0.0
@@ -331,13 +374,16 @@ class HfRunner:
 # -- specwire over gRPC -------------------------------------------------------------------------
 
 
-def specwire_sample(
-    client: Any, strategy: str, prompt_ids: list[int], max_new_tokens: int, gamma: int, **extra: Any
-) -> Sample:
-    """One `Generate` through an orchestrator; `client` is a `client.sdk.Client`."""
-    params: dict[str, Any] = {"strategy": strategy, "max_new_tokens": max_new_tokens, "ignore_eos": True} | extra
-    if strategy == "speculative":
-        params["num_speculative_tokens"] = gamma
+def row_params(row: str, gamma: int) -> dict[str, Any]:
+    """The `Generate` keywords of a specwire row, beyond prompt and length."""
+    return {name: gamma if value == "gamma" else value for name, value in SPECWIRE_PARAMS[row].items()}
+
+
+def specwire_sample(client: Any, params: dict[str, Any], prompt_ids: list[int], max_new_tokens: int) -> Sample:
+    """One `Generate` through an orchestrator; `client` is a `client.sdk.Client`, `params` its keywords."""
+    params = params | {"max_new_tokens": max_new_tokens, "ignore_eos": True}
+    if "temperature" in params and "seed" not in params:  # seeded sampled rows: the same draws every repeat
+        params["seed"] = len(prompt_ids)
     started = time.perf_counter()
     result = client.generate(input_ids=prompt_ids, **params)
     seconds = time.perf_counter() - started
@@ -349,6 +395,8 @@ def specwire_sample(
         drafted=s.drafted_tokens,
         accepted=s.accepted_tokens,
         rejected=s.corrections,
+        off_rounds=s.speculation_off_rounds,
+        pipelined_rounds=s.pipelined_rounds,
         target_forwards=s.target_forwards,
         draft_forwards=s.draft_forwards,
         target_compute_ms=s.target_compute_ms,
@@ -362,12 +410,14 @@ def specwire_sample(
 
 
 def concurrency_entries(
-    client: Any, strategy: str, prompt_ids: list[list[int]], levels: Sequence[int], max_new_tokens: int, gamma: int,
+    client: Any, params: dict[str, Any], prompt_ids: list[list[int]], levels: Sequence[int], max_new_tokens: int,
     repeats: int, seed: int = 0,
 ) -> list[dict[str, Any]]:
-    """N concurrent `Generate` calls per level (see the module docstring for the fields). Each
-    repeat runs every level once, in a freshly shuffled order, so load drift spreads over all."""
-    solo = {i: specwire_sample(client, strategy, ids, max_new_tokens, gamma).token_ids for i, ids in enumerate(prompt_ids)}
+    """N concurrent `Generate` calls per level, each with keywords `params` (see the module
+    docstring for the fields). Each repeat runs every level once, in a freshly shuffled order, so
+    load drift spreads over all."""
+    strategy = params["strategy"]
+    solo = {i: specwire_sample(client, params, ids, max_new_tokens).token_ids for i, ids in enumerate(prompt_ids)}
     rates: dict[int, list[float]] = {n: [] for n in levels}
     per_token_ms: dict[int, list[float]] = {n: [] for n in levels}
     matches: dict[int, list[bool]] = {n: [] for n in levels}
@@ -380,7 +430,7 @@ def concurrency_entries(
                 which = [i % len(prompt_ids) for i in range(streams)]
                 started = time.perf_counter()
                 samples = list(
-                    pool.map(lambda i: specwire_sample(client, strategy, prompt_ids[i], max_new_tokens, gamma), which)
+                    pool.map(lambda i: specwire_sample(client, params, prompt_ids[i], max_new_tokens), which)
                 )
                 wall = time.perf_counter() - started
                 rates[streams].append(sum(len(s.token_ids) for s in samples) / wall)
@@ -406,6 +456,49 @@ def concurrency_entries(
     return entries
 
 
+def entropix_metrics_cost(config: BenchConfig, context: int = 64, steps: int = 200) -> dict[str, Any]:
+    """Median time of one cached target step (append a token, score the top 100 logits) with and
+    without the entropix metrics, on the serving engine (the batched lean forward where the model
+    has one), interleaved in-process on one torch thread, by the thread's CPU time on CPU (wall
+    time on a shared machine measures the neighbours) and by wall time on CUDA (the engine
+    synchronises before a step returns); cost = (with − without) / without."""
+    import torch
+
+    from specwire.engine import CausalLM, Engine, EngineLimits
+    from specwire.session import Extras, OpenRequest, ScoreKind, Scoring, StepRequest
+
+    lm = CausalLM.load(config.target_model, device=config.device, dtype=config.dtype)
+    engine = Engine(lm, "target", EngineLimits(max_batch_rows=2, max_cache_len=context + steps + 1))
+    plain = Scoring(ScoreKind.LOGITS, top_n=100)
+    measured = Scoring(ScoreKind.LOGITS, top_n=100, extras=Extras(True, True, True))
+    prompt = [(7 * i + 3) % lm.vocab_size for i in range(context)]
+    sessions = {"plain": engine.new_session(), "measured": engine.new_session()}
+    for session in sessions.values():
+        session.open(OpenRequest(prompt, scoring=measured))
+    times: dict[str, list[float]] = {"plain": [], "measured": []}
+    clock = time.perf_counter if lm.device.type == "cuda" else time.thread_time
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for step in range(steps):
+            for name in ("plain", "measured") if step % 2 else ("measured", "plain"):
+                scoring = measured if name == "measured" else plain
+                started = clock()
+                sessions[name].step(StepRequest(append_ids=[(11 * step) % lm.vocab_size], scoring=scoring))
+                times[name].append((clock() - started) * 1e3)
+    finally:
+        torch.set_num_threads(threads)
+        for session in sessions.values():
+            session.close()
+    without, with_metrics = statistics.median(times["plain"]), statistics.median(times["measured"])
+    return {
+        "step_ms": without,
+        "step_with_metrics_ms": with_metrics,
+        "cost": (with_metrics - without) / without,
+        "engine": "lean" if engine.batches else "hf",
+    }
+
+
 # -- aggregation --------------------------------------------------------------------------------
 
 
@@ -422,7 +515,7 @@ def _paired_ratio(row: RowResult, base: RowResult | None) -> float | None:
 
 
 def _matches(row: RowResult, reference: RowResult | None) -> float | None:
-    if reference is None or reference.error or row.error:
+    if reference is None or reference.error or row.error or row.spec.group in SAMPLED_GROUPS:
         return None
     pairs = [
         (ours.token_ids, theirs.token_ids)
@@ -462,17 +555,24 @@ def summarize(results: dict[str, RowResult]) -> list[dict[str, Any]]:
             "matches_hf_target": _matches(result, hf_target),
             "new_tokens_per_repeat": sum(len(s.token_ids) for s in samples) // max(1, len(result.samples)),
         }
-        row |= _speculation_figures(result, samples, hf_target, specwire_greedy)
+        baseline = {
+            "specwire": specwire_greedy,
+            "specwire_sampled": results.get("specwire_entropix"),
+            "specwire_medusa_sampled": specwire_greedy,
+        }.get(
+            spec.group, hf_target
+        )
+        row |= _speculation_figures(result, samples, baseline)
         row |= _round_breakdown(samples)
         rows.append(row)
     return rows
 
 
-def _speculation_figures(
-    result: RowResult, samples: list[Sample], hf_target: RowResult | None, specwire_greedy: RowResult | None
-) -> dict[str, Any]:
+def _speculation_figures(result: RowResult, samples: list[Sample], baseline: RowResult | None) -> dict[str, Any]:
+    """Speculation's figures; the measured speedup is over `baseline` (the row's non-speculative twin)."""
     empty = dict.fromkeys(
-        ["acceptance_rate", "alpha", "gamma", "cost_ratio_c", "predicted_speedup", "measured_speedup", "efficiency"]
+        ["acceptance_rate", "alpha", "gamma", "cost_ratio_c", "predicted_speedup", "measured_speedup", "efficiency",
+         "speculation_off_rounds_per_generation", "pipelined_round_share"]
     )
     tokens = sum(len(s.token_ids) for s in samples)
     target_forwards = sum(s.target_forwards for s in samples)
@@ -484,9 +584,9 @@ def _speculation_figures(
         accepted = sum(s.accepted for s in samples)
         return figures | empty | {
             "acceptance_rate": accepted / drafted,
-            "measured_speedup": _paired_ratio(result, specwire_greedy),
+            "measured_speedup": _paired_ratio(result, baseline),
         }
-    rounds = sum(s.rounds for s in samples)
+    rounds = sum(s.rounds - s.off_rounds for s in samples)  # speculative rounds
     accepted = sum(s.accepted for s in samples)
     alpha = alpha_estimate(accepted, sum(s.rejected for s in samples))
     gamma = drafted / rounds
@@ -494,7 +594,6 @@ def _speculation_figures(
     target_ms_per_forward = sum(s.target_compute_ms for s in samples) / target_forwards if target_forwards else 0.0
     cost = draft_ms_per_token / target_ms_per_forward if target_ms_per_forward > 0 else None
     predicted = predicted_speedup(alpha, gamma, cost) if cost is not None else None
-    baseline = specwire_greedy if result.spec.group == "specwire" else hf_target
     measured = _paired_ratio(result, baseline)
     return figures | {
         "acceptance_rate": accepted / drafted,
@@ -504,6 +603,8 @@ def _speculation_figures(
         "predicted_speedup": predicted,
         "measured_speedup": measured,
         "efficiency": measured / predicted if measured is not None and predicted else None,
+        "speculation_off_rounds_per_generation": sum(s.off_rounds for s in samples) / len(samples),
+        "pipelined_round_share": _ratio(sum(s.pipelined_rounds for s in samples), rounds),
     }
 
 
@@ -558,7 +659,8 @@ def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple
     """The model-drafter stack and the n-gram stack, started in parallel; errors by stack name."""
     stack_configs: dict[str, StackConfig] = {}
     common = StackConfig(target_model=config.target_model, device=config.device, dtype=config.dtype)
-    if needed & {"specwire_greedy", "specwire_speculative", *MEDUSA_ROWS}:
+    common = replace(common, rtt_ms=config.rtt_ms)
+    if needed & (set(SPECWIRE_PARAMS) - {"specwire_speculative_ngram"}):
         port = config.port or free_base_port()
         stack_configs["model"] = replace(
             common, port=port, draft_model=config.draft_model, drafter="model", medusa=config.medusa
@@ -618,15 +720,10 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             stack = "ngram" if row == "specwire_speculative_ngram" else "model"
             if stack in stack_errors:
                 raise RuntimeError(f"the {stack} stack did not start: {stack_errors[stack]}")
-            if row in MEDUSA_ROWS:
-                params: dict[str, Any] = {k: v for k, v in MEDUSA_ROWS[row].items() if k != "strategy"}
-                if "temperature" in params:
-                    params["seed"] = len(ids)  # sampled rows: the same draws in every repeat
-                if config.medusa_choices:
-                    params["medusa_choices"] = config.medusa_choices
-                return specwire_sample(clients[stack], "medusa", ids, max_new_tokens, config.gamma, **params)
-            strategy = "greedy" if row == "specwire_greedy" else "speculative"
-            return specwire_sample(clients[stack], strategy, ids, max_new_tokens, config.gamma)
+            params = row_params(row, config.gamma)
+            if row in MEDUSA_ROWS and config.medusa_choices:
+                params["medusa_choices"] = config.medusa_choices
+            return specwire_sample(clients[stack], params, ids, max_new_tokens)
 
         def attempt(result: RowResult, ids: list[int], max_new_tokens: int) -> Sample | None:
             try:
@@ -636,6 +733,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
                 return None
 
         forwards = hf.single_forward_ms()
+        metrics_cost = entropix_metrics_cost(config) if "specwire_entropix" in config.rows else None
         order_log: list[list[str]] = []
         total = len(specs) * (config.repeats * len(prompt_ids) + (1 if config.warmup else 0))
         with tqdm(total=total, desc="bench", unit="gen", disable=not config.show_progress, file=sys.stderr) as bar:
@@ -664,23 +762,25 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         concurrency: list[dict[str, Any]] = []
         if config.concurrency and "model" in clients:
             levels = sorted(set(config.concurrency) | {1})
-            strategies = ["greedy"] + (["speculative"] if "specwire_speculative" in config.rows else [])
-            for strategy in strategies:
+            measured = ["specwire_greedy"] + (["specwire_speculative"] if "specwire_speculative" in config.rows else [])
+            for row in measured:
                 concurrency += concurrency_entries(
-                    clients["model"], strategy, prompt_ids, levels, config.max_new_tokens, config.gamma, config.repeats,
-                    config.seed,
+                    clients["model"], row_params(row, config.gamma), prompt_ids, levels, config.max_new_tokens,
+                    config.repeats, config.seed,
                 )
-        metadata = {
+        metadata: dict[str, Any] = {
             "schema": SCHEMA,
             "target_model": config.target_model,
             "draft_model": config.draft_model,
             "parameters": hf.parameters(),
             "single_forward": forwards,
+            "entropix_metrics_cost": metrics_cost,
             "prompts": len(config.prompts),
             "prompt_tokens": [len(ids) for ids in prompt_ids],
             "max_new_tokens": config.max_new_tokens,
             "repeats": config.repeats,
             "gamma": config.gamma,
+            "rtt_ms": config.rtt_ms,
             "device": str(hf.device),
             "dtype": str(next(hf.target.parameters()).dtype).removeprefix("torch."),
             "seed": config.seed,
@@ -727,6 +827,7 @@ def markdown_table(report: dict[str, Any]) -> str:
     columns = header.count("|") - 1
     lines = [
         f"{meta['prompts']} prompts × {meta['max_new_tokens']} new tokens × {meta['repeats']} repeats, γ = {meta['gamma']}, "
+        f"RTT {meta.get('rtt_ms', 0.0):g} ms to each specwire service, "
         f"{meta['device']} {meta['dtype']}, {meta['machine']['cpu_count']} CPUs, "
         f"target {meta['parameters']['target'] / 1e6:.1f}M / draft {meta['parameters']['draft'] / 1e6:.1f}M parameters; "
         f"one cached forward: target {meta['single_forward']['target_forward_ms']:.2f} ms, "
@@ -777,6 +878,12 @@ def markdown_table(report: dict[str, Any]) -> str:
     best = next((r["best_hf_assisted_row"] for r in report["rows"] if r["best_hf_assisted_row"]), None)
     lines.append("")
     lines.append(f"best HF assisted row: {best or '–'}; took {meta['duration_s']:.0f} s")
+    cost = meta.get("entropix_metrics_cost")
+    if cost:
+        lines.append(
+            f"entropix metrics: one cached target step {cost['step_ms']:.2f} ms without, "
+            f"{cost['step_with_metrics_ms']:.2f} ms with them (+{100 * cost['cost']:.1f}%)"
+        )
     return "\n".join(lines)
 
 
@@ -825,6 +932,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--medusa", help="the target's Medusa heads (default: the demo target's, with the demo target)")
     parser.add_argument("--medusa-choices", help="the medusa rows' tree: a JSON file of top-k paths (default: built in)")
+    parser.add_argument(
+        "--rtt-ms", type=float, default=0.0, help="route the specwire rows through the delay proxy: round trip in ms"
+    )
     return parser
 
 
@@ -832,6 +942,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     target, draft = default_models(args.target_model, args.draft_model)
     if args.max_new_tokens < 1 or args.repeats < 1 or args.gamma < 1:
         raise SystemExit("--max-new-tokens, --repeats and --gamma must be ≥ 1")
+    if args.rtt_ms < 0:
+        raise SystemExit(f"--rtt-ms must be ≥ 0, got {args.rtt_ms}")
     rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else tuple(ROW_NAMES)
     try:
         concurrency = tuple(int(n) for n in args.concurrency.split(",")) if args.concurrency else ()
@@ -855,6 +967,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         concurrency=concurrency,
         medusa=args.medusa or _default_medusa(target),
         medusa_choices=Path(args.medusa_choices).read_text() if args.medusa_choices else None,
+        rtt_ms=args.rtt_ms,
     )
 
 

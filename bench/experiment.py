@@ -5,10 +5,11 @@ model services when RTT > 0 (one-way delay RTT/2, `specwire.delay_proxy`), direc
 and for each strategy and γ the prompts are generated greedily with `ignore_eos`. Written to
 `--out DIR`:
 
-  results.csv           one row per RTT × strategy × γ (greedy has no γ: one row per RTT):
+  results.csv           one row per RTT × strategy × γ (greedy and auto have no γ: one row per RTT):
                         tokens/s, α, t_d, t_v, the per-round time breakdown, bytes, and the
                         latency model's prediction;
-  best_gamma.csv        per RTT: the best measured γ and the γ* the latency model predicts;
+  best_gamma.csv        per RTT: the best measured γ, the γ* the latency model predicts, and
+                        auto γ's tokens/s against the best fixed γ's (`auto_vs_best_fixed`);
   summary.json          the same, plus the settings and the fitted model inputs;
   tokens_per_s_vs_rtt.png, best_gamma.png, round_breakdown.png.
 
@@ -41,7 +42,9 @@ from specwire.orchestrator.speedup import alpha_estimate, best_gamma, time_per_t
 
 from specwire.extras import require
 
-STRATEGIES = ("speculative", "greedy")
+# "speculative": each γ fixed, sequential rounds (what the latency model describes); "auto": the
+# defaults (γ chosen each round by the latency model, target-only fallback, pipelined drafting).
+STRATEGIES = ("speculative", "greedy", "auto")
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,14 @@ class Measurement:
         return self.total(name) / self.rounds if self.rounds else 0.0
 
 
+def _params(strategy: str, gamma: int | None) -> dict[str, Any]:
+    if strategy == "greedy":
+        return {"strategy": "greedy"}
+    if strategy == "auto":
+        return {"strategy": "speculative"}
+    return {"strategy": "speculative", "num_speculative_tokens": gamma, "speculative_pipeline": False}
+
+
 def measure(config: ExperimentConfig, prompt_ids: list[list[int]], bar: Any) -> list[Measurement]:
     """Every RTT's stack in turn; the cells of one RTT run on the same stack."""
     from specwire.client.sdk import Client
@@ -115,7 +126,9 @@ def measure(config: ExperimentConfig, prompt_ids: list[list[int]], bar: Any) -> 
             plan: list[tuple[str, int | None]] = [("greedy", None)] if "greedy" in config.strategies else []
             if "speculative" in config.strategies:
                 plan += [("speculative", gamma) for gamma in config.gammas]
-            specwire_sample(client, plan[0][0], prompt_ids[0], min(8, config.max_new_tokens), plan[0][1] or 1)  # warm-up
+            if "auto" in config.strategies:
+                plan.append(("auto", None))
+            specwire_sample(client, _params(*plan[0]), prompt_ids[0], min(8, config.max_new_tokens))  # warm-up
             # Interleaved: each prompt runs under every strategy and γ in turn, so load that drifts
             # while an RTT is measured spreads over all its cells instead of biasing one.
             samples: dict[tuple[str, int | None], list[Sample]] = {cell: [] for cell in plan}
@@ -124,7 +137,7 @@ def measure(config: ExperimentConfig, prompt_ids: list[list[int]], bar: Any) -> 
                 for ids in prompt_ids:
                     for strategy, gamma in plan:
                         samples[strategy, gamma].append(
-                            specwire_sample(client, strategy, ids, config.max_new_tokens, gamma or 1)
+                            specwire_sample(client, _params(strategy, gamma), ids, config.max_new_tokens)
                         )
                         bar.update()
             greedy = samples.get(("greedy", None))
@@ -247,6 +260,10 @@ def best_gamma_rows(
         model = inputs.get(rtt)
         row: dict[str, Any] = {"rtt_ms": rtt, "gamma_best_measured": best.gamma}
         row["tokens_per_s_best_measured"] = best.tokens / best.total("seconds")
+        auto = next((c for c in cells if c.rtt_ms == rtt and c.strategy == "auto"), None)
+        if auto is not None:
+            row["tokens_per_s_auto"] = auto.tokens / auto.total("seconds")
+            row["auto_vs_best_fixed"] = row["tokens_per_s_auto"] / row["tokens_per_s_best_measured"]
         if model is not None:
             args = (model.alpha, model.draft_ms_per_token, model.verify_ms)
             row["gamma_star_model"] = best_gamma(*args, model.fixed_ms_per_round, config.max_gamma)
@@ -294,6 +311,10 @@ def plot(out_dir: Path, rows: list[dict[str, Any]], gamma_rows: list[dict[str, A
     if greedy:
         ax.plot([positions[r["rtt_ms"]] for r in greedy], [r["tokens_per_s"] for r in greedy],
                 marker="s", color="black", linestyle="--", label="greedy (target only)")
+    auto = sorted((r for r in rows if r["strategy"] == "auto"), key=lambda r: r["rtt_ms"])
+    if auto:
+        ax.plot([positions[r["rtt_ms"]] for r in auto], [r["tokens_per_s"] for r in auto],
+                marker="D", color="red", label="auto γ, pipelined (defaults)")
     ax.set_xticks(range(len(rtts)), [f"{rtt:g}" for rtt in rtts])
     ax.set_xlabel("emulated RTT to each service (ms)")
     ax.set_ylabel("tokens / s")
@@ -356,6 +377,7 @@ def run_experiment(config: ExperimentConfig) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(config.target_model)
     prompt_ids = [tokenizer(prompt).input_ids for prompt in config.prompts]
     per_rtt = (len(config.gammas) if "speculative" in config.strategies else 0) + ("greedy" in config.strategies)
+    per_rtt += "auto" in config.strategies
     total = len(config.rtts_ms) * per_rtt * config.repeats * len(prompt_ids)
     with tqdm(total=total, desc="experiment", unit="gen", disable=not config.show_progress, file=sys.stderr) as bar:
         cells = measure(config, prompt_ids, bar)
@@ -393,7 +415,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--rtt-ms", default="0,2,10,50", help="comma-separated round-trip times to each service")
     parser.add_argument("--gamma", default="1,2,4,8", help="comma-separated γ values")
-    parser.add_argument("--strategies", default="speculative,greedy", help="comma-separated: speculative, greedy")
+    parser.add_argument("--strategies", default="speculative,greedy,auto", help="comma-separated: speculative (fixed γ, sequential), greedy, auto (the defaults)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--prompts", help="a JSON list of prompts, or one prompt per line (\\n escapes)")
     parser.add_argument("--repeats", type=int, default=1)

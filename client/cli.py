@@ -1,4 +1,4 @@
-"""The `specwire` command line: serve, up, generate, demo, trace."""
+"""The `specwire` command line: serve, up, generate, demo, trace, bench, experiment, distill."""
 
 from __future__ import annotations
 
@@ -13,9 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specwire.bench import bench, experiment
+from specwire.bench import bench, experiment, soak
+from specwire.bench.entropix_plot import STATE_COLOURS, plot_decisions
 from specwire.client.sdk import Client, GenerateResult, GenerationError, enum_names, stats_as_dict
+from specwire.draft_service import distill
 from specwire.target_service import train_medusa
+from specwire.v1 import orchestrator_pb2
 
 from specwire import __version__
 from specwire.extras import require
@@ -31,7 +34,7 @@ GENERATION_FLAGS: list[tuple[str, Any, str]] = [
     ("--num-beams", int, "beams for --strategy beam / contrastive"),
     ("--length-penalty", float, "beam score = sum log p / length^length_penalty"),
     ("--num-return-sequences", int, "beam hypotheses to return (≤ num_beams)"),
-    ("--num-speculative-tokens", int, "γ: draft tokens per speculative round"),
+    ("--num-speculative-tokens", int, "γ: draft tokens per speculative round, 0 or unset = auto (with entropix: speculate)"),
     ("--draft-confidence-threshold", float, "draft stops proposing below this top probability"),
     ("--cd-alpha", float, "contrastive plausibility cut-off α"),
     ("--cd-beta", float, "O'Brien & Lewis contrast weight β"),
@@ -66,7 +69,23 @@ def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: i
         parser.add_argument("--drafter", default="model", choices=["model", "ngram"])
         parser.add_argument("--ngram-max", type=int, default=3, help="n-gram drafter: longest n-gram to match")
         parser.add_argument("--ngram-min", type=int, default=1, help="n-gram drafter: shortest n-gram to match")
+    _add_server_tls_flags(parser)
     _add_telemetry_flags(parser)
+
+
+def _add_server_tls_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-cert", help="serve TLS with this certificate (PEM; with --tls-key)")
+    parser.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    parser.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
+    parser.add_argument(
+        "--health-port", type=int, default=0, help="also serve health alone, in plaintext, here (probes; 0 = off)"
+    )
+
+
+def _add_client_tls_flags(parser: argparse.ArgumentParser, prefix: str = "", whom: str = "the server") -> None:
+    parser.add_argument(f"--{prefix}tls-ca", help=f"TLS to {whom}, trusting this CA (PEM)")
+    parser.add_argument(f"--{prefix}tls-cert", help=f"client certificate to present to {whom} (mutual TLS)")
+    parser.add_argument(f"--{prefix}tls-key", help="the client certificate's private key")
 
 
 def _add_telemetry_flags(parser: argparse.ArgumentParser) -> None:
@@ -102,8 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_service_flags(roles.add_parser("draft", help="the draft model service"), "draft", 50052)
     _add_model_service_flags(roles.add_parser("target", help="the target model service"), "target", 50053)
     orch = roles.add_parser("orchestrator", help="the public Generate API")
-    orch.add_argument("--target", default="127.0.0.1:50053", help="target service address")
-    orch.add_argument("--draft", default="127.0.0.1:50052", help="draft service address ('none' for no draft)")
+    orch.add_argument(
+        "--target", default="127.0.0.1:50053",
+        help="target replicas: host:port[,host:port…]; a DNS name stands for all its addresses",
+    )
+    orch.add_argument("--draft", default="127.0.0.1:50052", help="draft replicas, as --target ('none' for no draft)")
+    orch.add_argument(
+        "--failover-timeout", type=float, default=5.0,
+        help="seconds a session lost with its replica may take to be rebuilt on another before UNAVAILABLE",
+    )
+    orch.add_argument("--auth-token-file", help="accept only calls with `authorization: Bearer <a line of FILE>`")
+    _add_server_tls_flags(orch)
+    _add_client_tls_flags(orch, "services-", "the model services")
     orch.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the target's)")
     orch.add_argument("--host", default="127.0.0.1")
     orch.add_argument("--port", type=int, default=50051)
@@ -125,7 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_flags(generate)
     generate.add_argument("--stream", action="store_true", help="print text as it is generated")
     generate.add_argument("--json", action="store_true", help="print the result as JSON")
+    generate.add_argument("--plot", help="entropix: draw the tokens on the entropy × varentropy plane to this PNG")
     generate.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
+    _add_client_tls_flags(generate, "", "the orchestrator")
+    generate.add_argument("--token-file", help="send the first line of FILE as the bearer token")
 
     demo = commands.add_parser("demo", help="start the services on the demo pair, generate, stop")
     _add_stack_flags(demo)
@@ -140,8 +172,19 @@ def build_parser() -> argparse.ArgumentParser:
     summarize.add_argument("paths", nargs="+", help="JSONL span files, or directories of them (`up --trace-dir`)")
     summarize.add_argument("--plot", help="also write a stacked-bar chart of the rounds to this PNG")
     summarize.add_argument("--json", action="store_true", help="print the summary as JSON")
+    certs = commands.add_parser(
+        "certs", help="make a private CA and certificates for the three services and a client (mutual TLS)"
+    )
+    certs.add_argument("directory", help="where to write ca.pem and <name>.pem / <name>.key")
+    certs.add_argument(
+        "--host", action="append", default=[],
+        help="a name or IP the certificates are valid for (repeatable; localhost and 127.0.0.1 always, "
+        "and specwire-<service>, the Kubernetes Service names)",
+    )
     bench.add_parser(commands)
     experiment.add_parser(commands)
+    soak.add_parser(commands)
+    distill.add_parser(commands)
     train_medusa.add_parser(commands)
     return parser
 
@@ -159,6 +202,12 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rtt-ms", type=float, default=0.0, help="emulated round trip to each model service (delay proxy)")
     parser.add_argument("--jitter-ms", type=float, default=0.0, help="± uniform jitter on each one-way delay")
     parser.add_argument("--bandwidth-mbps", type=float, default=0.0, help="per-direction bandwidth cap (0 = none)")
+    parser.add_argument("--target-replicas", type=int, default=1, help="target replicas (the 2nd on port+5, then +6, …)")
+    parser.add_argument(
+        "--tls", metavar="DIR",
+        help="mutual TLS between the services: a private CA and certificates made in DIR (reused if there)",
+    )
+    parser.add_argument("--auth-token-file", help="the orchestrator accepts only these bearer tokens (one per line)")
 
 
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
@@ -172,6 +221,10 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--medusa-acceptance", choices=enum_names("medusa_acceptance"), default=None,
         help="medusa sampling: lossless (default) | typical (LOSSY)",
+    )
+    parser.add_argument(
+        "--entropix", action="append", metavar="NAME=VALUE",
+        help="an entropix threshold or coefficient (repeatable), e.g. argmax_entropy=0.2",
     )
     for flag, kind, text in GENERATION_FLAGS:
         parser.add_argument(flag, type=kind, default=None, help=text)
@@ -187,7 +240,22 @@ def generation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.medusa_choices:
         text = args.medusa_choices
         kwargs["medusa_choices"] = text if text.lstrip().startswith("[") else Path(text).read_text()
+    if args.entropix:
+        kwargs["entropix"] = dict(_parse_entropix(item) for item in args.entropix)
     return kwargs
+
+
+def _parse_entropix(item: str) -> tuple[str, float]:
+    name, _, value = item.partition("=")
+    try:
+        return name.strip(), int(value) if name.strip() in _ENTROPIX_INTS else float(value)
+    except ValueError:
+        raise SystemExit(f"--entropix: expected NAME=NUMBER, got {item!r}") from None
+
+
+_ENTROPIX_INTS = {
+    f.name for f in orchestrator_pb2.EntropixParams.DESCRIPTOR.fields if f.cpp_type == f.CPPTYPE_INT32
+}
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -210,13 +278,43 @@ def _print_result(result: GenerateResult, as_json: bool) -> None:
         f"({1000 * s.new_tokens / max(s.wall_ms, 1e-9):.1f} tok/s), {s.rounds} rounds",
         file=sys.stderr,
     )
+    if s.entropix_states:
+        print(f"entropix states: {format_states(s.entropix_states)}", file=sys.stderr)
+
+
+def format_states(counts: dict[str, int]) -> str:
+    return ", ".join(f"{state} {counts[state]}" for state in STATE_COLOURS if state in counts)
+
+
+def read_token(path: str) -> str:
+    """The first non-blank, non-comment line of a token file."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as error:
+        raise SystemExit(f"--token-file: cannot read {path}: {error.strerror}") from None
+    for line in lines:
+        if line.strip() and not line.lstrip().startswith("#"):
+            return line.strip()
+    raise SystemExit(f"--token-file: {path} holds no token")
+
+
+def client_security(args: argparse.Namespace) -> dict[str, Any]:
+    """SDK keywords for TLS and the bearer token from `--tls-*` / `--token-file`."""
+    from specwire.security import client_tls
+
+    tls = client_tls(args.tls_ca, args.tls_cert, args.tls_key)
+    token = read_token(args.token_file) if args.token_file else None
+    return {"tls_ca": tls.ca if tls else None, "tls_cert": tls.cert if tls else None,
+            "tls_key": tls.key if tls else None, "token": token}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.plot:  # refused before any generation
+        require("matplotlib", "plots", "specwire generate --plot")
     kwargs = generation_kwargs(args)
     if args.input_ids is not None:
         kwargs["input_ids"] = _parse_ids(args.input_ids)
-    with Client(args.address, timeout=args.timeout) as client:
+    with Client(args.address, timeout=args.timeout, **client_security(args)) as client:
         if args.stream and not args.json:
             last = None
             for delta in client.stream(args.prompt, **kwargs):
@@ -225,7 +323,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if last is not None and last.stats is not None:
                 print(f"\n[{last.finish_reason}] {json.dumps(stats_as_dict(last.stats))}", file=sys.stderr)
             return 0
-        _print_result(client.generate(args.prompt, **kwargs), args.json)
+        result = client.generate(args.prompt, **kwargs)
+        _print_result(result, args.json)
+    if args.plot:
+        if not result.decisions:
+            print("error: --plot needs --strategy entropix (no decision trace)", file=sys.stderr)
+            return 2
+        plot_decisions(result.decisions, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -258,6 +363,9 @@ def _stack_config(args: argparse.Namespace) -> Any:
         rtt_ms=args.rtt_ms,
         jitter_ms=args.jitter_ms,
         bandwidth_mbps=args.bandwidth_mbps,
+        target_replicas=args.target_replicas,
+        tls_dir=str(Path(args.tls).resolve()) if args.tls else None,
+        auth_token_file=str(Path(args.auth_token_file).resolve()) if args.auth_token_file else None,
     )
 
 
@@ -276,7 +384,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     c = stack.config
     print(f"orchestrator  {c.address}")
     print(f"draft         {c.host}:{c.draft_port}")
-    print(f"target        {c.host}:{c.target_port}")
+    print(f"target        {', '.join(f'{c.host}:{port}' for port in c.target_ports)}")
+    if c.tls_dir:
+        print(f"mutual TLS    between the services; CA and certificates in {c.tls_dir}")
+    if c.auth_token_file:
+        print(f"auth          bearer tokens from {c.auth_token_file} (specwire generate --token-file FILE)")
     if c.proxied:
         print(f"delay proxies draft {c.host}:{c.draft_proxy_port}, target {c.host}:{c.target_proxy_port} "
               f"(RTT {c.rtt_ms:g} ms ± {c.jitter_ms:g}, {c.bandwidth_mbps or '∞'} Mbit/s)")
@@ -307,9 +419,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
                  {"strategy": "greedy", "repetition_penalty": 1.3, "no_repeat_ngram_size": 3}),
                 ("sample (T=0.8, top-p 0.95, seed 1)", {"strategy": "sample", "temperature": 0.8, "top_p": 0.95, "seed": 1}),
                 ("beam (4 beams, no repeated 3-grams)", {"strategy": "beam", "num_beams": 4, "no_repeat_ngram_size": 3}),
-                ("speculative (γ=4): same text as greedy, fewer target forwards",
-                 {"strategy": "speculative", "num_speculative_tokens": 4}),
+                ("speculative (auto γ, pipelined drafting): same text as greedy, fewer target forwards",
+                 {"strategy": "speculative"}),
                 ("contrastive (O'Brien & Lewis, α=0.1, β=0.5)", {"strategy": "contrastive"}),
+                ("entropix (entropy-adaptive, reference defaults, seed 1)", {"strategy": "entropix", "seed": 1}),
             ]
             if "medusa" in client.info().target_capabilities:
                 runs.append(("medusa (the target's own heads): same text as greedy, one message per round",
@@ -320,6 +433,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 line = f"\n=== {label}\n    {s.new_tokens} tokens in {s.wall_ms:.0f} ms, {s.target_forwards} target forwards"
                 if s.drafted_tokens:
                     line += f", acceptance {s.acceptance_rate:.0%}, {s.tokens_per_target_forward:.2f} tokens/forward"
+                if s.entropix_states:
+                    line += f", states: {format_states(s.entropix_states)}"
                 print(line + f", finish={result.finish_reason}")
                 print(args.prompt + result.text)
     return 0
@@ -327,6 +442,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from specwire.config import ModelServiceConfig, OrchestratorConfig
+    from specwire.security import client_tls, server_tls
+
+    tls = server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
 
     if args.role == "orchestrator":
         from specwire.orchestrator.server import main as serve_orchestrator
@@ -340,7 +458,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 port=args.port,
                 max_new_tokens_limit=args.max_new_tokens_limit,
                 max_tokens_per_round=args.max_tokens_per_round,
+                failover_timeout_s=args.failover_timeout,
                 telemetry=_telemetry_config(args),
+                tls=tls,
+                services_tls=client_tls(args.services_tls_ca, args.services_tls_cert, args.services_tls_key),
+                auth_token_file=args.auth_token_file,
+                health_port=args.health_port,
             )
         )
         return 0
@@ -362,6 +485,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ngram_max=getattr(args, "ngram_max", 3),
         ngram_min=getattr(args, "ngram_min", 1),
         telemetry=_telemetry_config(args),
+        tls=tls,
+        health_port=args.health_port,
     )
     if args.role == "draft":
         from specwire.draft_service.server import main as serve_draft
@@ -395,7 +520,20 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "train-medusa": train_medusa.main}
+def cmd_certs(args: argparse.Namespace) -> int:
+    from specwire.security import make_certificates
+
+    directory = Path(args.directory)
+    if (directory / "ca.pem").exists():
+        raise SystemExit(f"{directory / 'ca.pem'} exists: refusing to replace a CA (pick a new directory)")
+    issued = make_certificates(directory, hosts=["localhost", "127.0.0.1", *args.host])
+    print(f"CA            {directory / 'ca.pem'}")
+    for name, (cert, key) in issued.items():
+        print(f"{name:<13} {cert} {key}")
+    return 0
+
+
+COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "soak": soak.run, "distill": distill.run, "train-medusa": train_medusa.main}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

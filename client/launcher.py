@@ -1,12 +1,14 @@
 """Run the three services as child processes (`specwire up`, `specwire demo`, benchmarks).
 
 Each child prints `READY <role> <host>:<port>` once it reports SERVING; the launcher waits for
-all three, and stops them all (SIGTERM, then SIGKILL after a grace period) on exit.
+all of them (every target replica too), and stops them all (SIGTERM, then SIGKILL after a grace
+period) on exit.
 
 `Stack.supervise`, called periodically (`specwire up` does), restarts a child that exited, after
 a back-off that doubles with each crash in a row (1 s up to 30 s; reset once a child has stayed
-up for a minute), with a log line each time. The others keep serving meanwhile: the orchestrator
-follows the services' health (`specwire.orchestrator.health`) and serves what it still can.
+up for a minute), with a log line each time; each target replica is a child of its own. The
+others keep serving meanwhile: the orchestrator watches every replica's health
+(`specwire.orchestrator.replicas`) and serves what it still can.
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ class StackConfig:
     rtt_ms: float = 0.0
     jitter_ms: float = 0.0
     bandwidth_mbps: float = 0.0
+    # More target replicas (ports port+5, port+6, …), all given to the orchestrator.
+    target_replicas: int = 1
+    # Mutual TLS on the internal hops with a private CA and certificates written here.
+    tls_dir: str | None = None
+    # Bearer tokens the public API accepts (one per line); None: open.
+    auth_token_file: str | None = None
 
     @property
     def draft_port(self) -> int:
@@ -50,6 +58,10 @@ class StackConfig:
     @property
     def target_port(self) -> int:
         return self.port + 2
+
+    @property
+    def target_ports(self) -> list[int]:
+        return [self.target_port] + [self.port + 4 + i for i in range(1, self.target_replicas)]
 
     @property
     def address(self) -> str:
@@ -91,6 +103,38 @@ def free_base_port(count: int = 5, attempts: int = 200) -> int:
     raise RuntimeError(f"no {count} consecutive free ports found")
 
 
+def _replica_metrics(args: list[str], index: int) -> list[str]:
+    """Target replica `index`'s flags: from the second on, `--metrics-port T` becomes T + 2 + index
+    (the metrics ports follow the gRPC ports: target P+2, its replicas P+5, P+6, …)."""
+    if index == 0 or "--metrics-port" not in args:
+        return args
+    at = args.index("--metrics-port") + 1
+    return [*args[:at], str(int(args[at]) + 2 + index), *args[at + 1 :]]
+
+
+def _tls_args(c: StackConfig) -> tuple[list[str], list[str], list[str]]:
+    """`serve` flags for mutual TLS on the internal hops: a private CA and certificates, made
+    once in `c.tls_dir`. The model services require the orchestrator's client certificate."""
+    if not c.tls_dir:
+        return [], [], []
+    from specwire.security import make_certificates
+
+    directory = Path(c.tls_dir)
+    if (directory / "ca.pem").exists():
+        issued = {name: (directory / f"{name}.pem", directory / f"{name}.key") for name in ("orchestrator", "draft", "target")}
+    else:
+        issued = make_certificates(directory, hosts=sorted({"localhost", "127.0.0.1", c.host}))
+    ca = str(directory / "ca.pem")
+
+    def server(name: str) -> list[str]:
+        cert, key = issued[name]
+        return ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-client-ca", ca]
+
+    cert, key = issued["orchestrator"]
+    orchestrator = ["--services-tls-ca", ca, "--services-tls-cert", str(cert), "--services-tls-key", str(key)]
+    return server("target"), server("draft"), orchestrator
+
+
 def _serve_command(role: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "specwire", "serve", role, *args]
 
@@ -122,24 +166,30 @@ class Stack:
     def start(self, timeout: float = 600.0, log_dir: Path | None = None) -> None:
         """Start draft and target, then the orchestrator; wait until all report READY."""
         c = self.config
+        if c.proxied and c.target_replicas > 1:
+            raise RuntimeError("the delay proxy fronts one target replica: use --rtt-ms etc. with --target-replicas 1")
         self._log_dir = log_dir
         model_args = ["--device", c.device, "--dtype", c.dtype, "--host", c.host]
-        target_args = [*model_args, "--port", str(c.target_port), *c.extra_target_args]
+        target_tls, draft_tls, orchestrator_tls = _tls_args(c)
+        target_args = [*model_args, *target_tls, *c.extra_target_args]
         if c.target_model:
             target_args += ["--model", c.target_model]
         if c.medusa:
             target_args += ["--medusa", c.medusa]
-        draft_args = [*model_args, "--port", str(c.draft_port), "--drafter", c.drafter, *c.extra_draft_args]
+        draft_args = [*model_args, *draft_tls, "--port", str(c.draft_port), "--drafter", c.drafter, *c.extra_draft_args]
         # The n-gram drafter needs only a tokenizer: the target's, unless told otherwise.
         draft_source = c.draft_model or (c.target_model if c.drafter == "ngram" else None)
         if draft_source:
             draft_args += ["--model", draft_source]
-        self._spawn("target", _serve_command("target", *target_args), log_dir)
+        targets = [("target" if i == 0 else f"target-{i + 1}", port) for i, port in enumerate(c.target_ports)]
+        for index, (name, port) in enumerate(targets):
+            replica_args = _replica_metrics(target_args, index)
+            self._spawn(name, _serve_command("target", *replica_args, "--port", str(port)), log_dir, ready_label="target")
         self._spawn("draft", _serve_command("draft", *draft_args), log_dir)
-        self._wait(["target", "draft"], timeout)
-        target_address, draft_address = f"{c.host}:{c.target_port}", f"{c.host}:{c.draft_port}"
+        self._wait([name for name, _ in targets] + ["draft"], timeout)
+        target_address, draft_address = ",".join(f"{c.host}:{port}" for _, port in targets), f"{c.host}:{c.draft_port}"
         if c.proxied:
-            proxies = {"target-proxy": (c.target_proxy_port, target_address), "draft-proxy": (c.draft_proxy_port, draft_address)}
+            proxies = {"target-proxy": (c.target_proxy_port, f"{c.host}:{c.target_port}"), "draft-proxy": (c.draft_proxy_port, draft_address)}
             for role, (port, upstream) in proxies.items():
                 self._spawn(role, _proxy_command(f"{c.host}:{port}", upstream, c), log_dir, ready_label="proxy")
             self._wait(list(proxies), timeout)
@@ -149,8 +199,11 @@ class Stack:
             "--port", str(c.port),
             "--target", target_address,
             "--draft", draft_address,
+            *orchestrator_tls,
             *c.extra_orchestrator_args,
         ]
+        if c.auth_token_file:
+            orchestrator_args += ["--auth-token-file", c.auth_token_file]
         if c.target_model:
             orchestrator_args += ["--tokenizer", c.target_model]
         self._spawn("orchestrator", _serve_command("orchestrator", *orchestrator_args), log_dir)

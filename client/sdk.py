@@ -25,14 +25,20 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 from specwire.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
-from specwire import telemetry
+from specwire import security, telemetry
 from specwire.errors import echo
 from specwire.serving import CHANNEL_OPTIONS
 
 _STATS_FIELDS = orchestrator_pb2.GenerationStats.DESCRIPTOR.fields
 
 
+def _is_map(descriptor: Any) -> bool:
+    return descriptor.message_type is not None and descriptor.message_type.GetOptions().map_entry  # type: ignore[no-any-return]
+
+
 def _stats_field_type(descriptor: Any) -> Any:
+    if _is_map(descriptor):
+        return dict[str, int]
     base = float if descriptor.cpp_type in (descriptor.CPPTYPE_DOUBLE, descriptor.CPPTYPE_FLOAT) else int
     return list[base] if descriptor.is_repeated else base  # type: ignore[valid-type]
 
@@ -40,7 +46,8 @@ def _stats_field_type(descriptor: Any) -> Any:
 #: Per-request statistics, one attribute per `GenerationStats` field of the proto.
 Stats = make_dataclass(
     "Stats",
-    [(f.name, _stats_field_type(f), field(default_factory=list) if f.is_repeated else field(default=0))
+    [(f.name, _stats_field_type(f),
+      field(default_factory=dict if _is_map(f) else list) if f.is_repeated else field(default=0))
      for f in _STATS_FIELDS],
     frozen=True,
 )
@@ -50,8 +57,30 @@ def _stats_from_pb(message: orchestrator_pb2.GenerationStats) -> Any:
     values = {}
     for f in _STATS_FIELDS:
         value = getattr(message, f.name)
-        values[f.name] = list(value) if f.is_repeated else value
+        values[f.name] = dict(value) if _is_map(f) else list(value) if f.is_repeated else value
     return Stats(**values)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How strategy "entropix" chose one token: its state, the target's metrics, the warpers."""
+
+    state: str
+    entropy: float
+    varentropy: float
+    attn_entropy: float
+    attn_varentropy: float
+    agreement: float
+    interaction_strength: float
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    clarified: bool = False
+
+
+def _decisions_from_pb(messages: Any) -> list[Decision]:
+    return [Decision(**{f.name: getattr(m, f.name) for f in fields(Decision)}) for m in messages]
 
 
 def stats_as_dict(stats: Any) -> dict[str, Any]:
@@ -74,6 +103,7 @@ class GenerateResult:
     finish_reason: str  # "eos", "length" or "stop"
     stats: Any  # Stats
     sequences: list[BeamSequence] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)  # strategy "entropix": one per token
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -84,6 +114,8 @@ class GenerateResult:
         }
         if self.sequences:
             out["sequences"] = [{"token_ids": s.token_ids, "text": s.text, "score": s.score} for s in self.sequences]
+        if self.decisions:
+            out["decisions"] = [vars(d) for d in self.decisions]
         return out
 
 
@@ -93,6 +125,7 @@ class StreamDelta:
     text: str
     finish_reason: str = ""  # set on the last delta
     stats: Any = None  # Stats, on the last delta
+    decisions: list[Decision] = field(default_factory=list)  # entropix's trace, on the last delta
 
 
 class GenerationError(Exception):
@@ -119,7 +152,9 @@ _SCALAR_PARAMS = {f.name for f in orchestrator_pb2.GenerateRequest.DESCRIPTOR.fi
     "max_new_tokens",
     "stop_strings",
     *_ENUM_PREFIXES,
+    "entropix",
 }
+_ENTROPIX_PARAMS = {f.name for f in orchestrator_pb2.EntropixParams.DESCRIPTOR.fields}
 
 
 def enum_names(field_name: str) -> list[str]:
@@ -146,13 +181,18 @@ def build_request(
     early_stopping: bool | str | None = None,
     cd_form: str | None = None,
     medusa_acceptance: str | None = None,
+    entropix: dict[str, float] | None = None,
     **params: Any,
 ) -> orchestrator_pb2.GenerateRequest:
     """A `GenerateRequest` from keyword parameters named as in transformers' `generate`.
-    Give `prompt` (text) or `input_ids` (token ids); `early_stopping` is True, False or "never"."""
+    Give `prompt` (text) or `input_ids` (token ids); `early_stopping` is True, False or "never";
+    `entropix` maps `EntropixParams` field names to values."""
     unknown = set(params) - _SCALAR_PARAMS
     if unknown:
         raise TypeError(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
+    unknown = set(entropix or {}) - _ENTROPIX_PARAMS
+    if unknown:
+        raise TypeError(f"unknown entropix parameter(s): {', '.join(sorted(unknown))}")
     request = orchestrator_pb2.GenerateRequest(strategy=_enum_number("strategy", strategy))  # type: ignore[arg-type]
     if prompt is not None and input_ids is not None:
         raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: give either prompt or input_ids, not both")
@@ -175,6 +215,8 @@ def build_request(
             value = json.dumps([list(path) for path in value])  # paths of top-k indices
         if value is not None:
             setattr(request, name, value)
+    for name, value in (entropix or {}).items():
+        setattr(request.entropix, name, value)
     return request
 
 
@@ -190,6 +232,7 @@ def _result_from_pb(reply: orchestrator_pb2.GenerateResponse) -> GenerateResult:
         finish_reason=finish_reason_name(reply.finish_reason),
         stats=_stats_from_pb(reply.stats),
         sequences=[BeamSequence(list(s.token_ids), s.text, s.score) for s in reply.sequences],
+        decisions=_decisions_from_pb(reply.decisions),
     )
 
 
@@ -199,6 +242,7 @@ def _delta_from_pb(delta: orchestrator_pb2.GenerateDelta) -> StreamDelta:
         text=delta.text,
         finish_reason=finish_reason_name(delta.finish_reason),
         stats=_stats_from_pb(delta.stats) if delta.HasField("stats") else None,
+        decisions=_decisions_from_pb(delta.decisions),
     )
 
 
@@ -215,6 +259,17 @@ def _client_span(method: str) -> tuple[Span, list[tuple[str, str]] | None]:
     return span, list(telemetry.carrier(span).items())
 
 
+def _authorized(metadata: list[tuple[str, str]] | None, token: str | None) -> list[tuple[str, str]] | None:
+    """The call's metadata plus `authorization: Bearer <token>` when the client has a token."""
+    if token is None:
+        return metadata
+    return [*(metadata or []), ("authorization", f"Bearer {token}")]
+
+
+def _tls(tls_ca: str | None, tls_cert: str | None, tls_key: str | None) -> security.ClientTLS | None:
+    return security.ClientTLS(tls_ca, tls_cert, tls_key) if tls_ca else None
+
+
 def _end(span: Span, error: BaseException | None = None) -> None:
     if error is not None:
         telemetry.record_error(span, error)
@@ -224,17 +279,29 @@ def _end(span: Span, error: BaseException | None = None) -> None:
 class Client:
     """Blocking client. `Client("host:50051").generate(prompt="def f(", max_new_tokens=32)`."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        timeout: float | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        token: str | None = None,
+    ) -> None:
+        """`tls_ca`: the CA that signed the orchestrator's certificate (TLS; plaintext without);
+        `tls_cert`/`tls_key`: this client's own, where the server requires one; `token`: sent as
+        `authorization: Bearer <token>` on every call but health."""
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._token = token
+        self._channel = security.sync_channel(address, _tls(tls_ca, tls_cert, tls_key), CHANNEL_OPTIONS)
         self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
 
     def generate(self, prompt: str | None = None, **params: Any) -> GenerateResult:
         request = build_request(prompt, **params)
         span, metadata = _client_span("Generate")
         try:
-            reply = self._stub.Generate(request, timeout=self.timeout, metadata=metadata)
+            reply = self._stub.Generate(request, timeout=self.timeout, metadata=_authorized(metadata, self._token))
         except grpc.RpcError as error:
             failure = _error(error)
             _end(span, failure)
@@ -247,7 +314,7 @@ class Client:
         span, metadata = _client_span("GenerateStream")
         failure: GenerationError | None = None
         try:
-            for delta in self._stub.GenerateStream(request, timeout=self.timeout, metadata=metadata):
+            for delta in self._stub.GenerateStream(request, timeout=self.timeout, metadata=_authorized(metadata, self._token)):
                 yield _delta_from_pb(delta)
         except grpc.RpcError as error:
             failure = _error(error)
@@ -263,7 +330,7 @@ class Client:
 
     def info(self) -> orchestrator_pb2.OrchestratorInfo:
         return self._stub.Info(
-            orchestrator_pb2.OrchestratorInfoRequest(), timeout=self.timeout, metadata=telemetry.current_metadata()
+            orchestrator_pb2.OrchestratorInfoRequest(), timeout=self.timeout, metadata=_authorized(telemetry.current_metadata(), self._token)
         )
 
     def close(self) -> None:
@@ -279,17 +346,29 @@ class Client:
 class AsyncClient:
     """asyncio client with the same calls as `Client`."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        timeout: float | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        token: str | None = None,
+    ) -> None:
+        """`tls_ca`: the CA that signed the orchestrator's certificate (TLS; plaintext without);
+        `tls_cert`/`tls_key`: this client's own, where the server requires one; `token`: sent as
+        `authorization: Bearer <token>` on every call but health."""
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._token = token
+        self._channel = security.aio_channel(address, _tls(tls_ca, tls_cert, tls_key), CHANNEL_OPTIONS)
         self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
 
     async def generate(self, prompt: str | None = None, **params: Any) -> GenerateResult:
         request = build_request(prompt, **params)
         span, metadata = _client_span("Generate")
         try:
-            reply = await self._stub.Generate(request, timeout=self.timeout, metadata=metadata)
+            reply = await self._stub.Generate(request, timeout=self.timeout, metadata=_authorized(metadata, self._token))
         except grpc.aio.AioRpcError as error:
             failure = _error(error)
             _end(span, failure)
@@ -302,7 +381,7 @@ class AsyncClient:
         span, metadata = _client_span("GenerateStream")
         failure: GenerationError | None = None
         try:
-            async for delta in self._stub.GenerateStream(request, timeout=self.timeout, metadata=metadata):
+            async for delta in self._stub.GenerateStream(request, timeout=self.timeout, metadata=_authorized(metadata, self._token)):
                 yield _delta_from_pb(delta)
         except grpc.aio.AioRpcError as error:
             failure = _error(error)
@@ -317,7 +396,7 @@ class AsyncClient:
 
     async def info(self) -> orchestrator_pb2.OrchestratorInfo:
         return await self._stub.Info(
-            orchestrator_pb2.OrchestratorInfoRequest(), timeout=self.timeout, metadata=telemetry.current_metadata()
+            orchestrator_pb2.OrchestratorInfoRequest(), timeout=self.timeout, metadata=_authorized(telemetry.current_metadata(), self._token)
         )
 
     async def close(self) -> None:

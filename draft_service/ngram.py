@@ -114,7 +114,8 @@ class NgramDrafter:
             tokenizer_fingerprint=self.fingerprint,
             eos_token_ids=self.eos_token_ids,
             max_context=MAX_CONTEXT,
-            capabilities=["session", "propose", "ngram"],
+            # The orchestrator drafts with the same settings from its own copy of the history.
+            capabilities=["session", "propose", "ngram", f"ngram_max={self.ngram_max}", f"ngram_min={self.ngram_min}"],
             role="draft",
             tokenizer_source=self.tokenizer_source,
             device="cpu",

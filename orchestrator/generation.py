@@ -21,6 +21,7 @@ from specwire.orchestrator import params as request_params
 from specwire.orchestrator.beam import beam_search
 from specwire.orchestrator.context import BeamSequence, DecodeContext
 from specwire.orchestrator.contrastive import contrastive
+from specwire.orchestrator.entropix_strategy import entropix
 from specwire.orchestrator.health import DRAFT_STRATEGIES, ServiceStates
 from specwire.orchestrator.medusa import medusa
 from specwire.orchestrator.models import ModelHandle
@@ -46,6 +47,7 @@ STRATEGIES: dict[str, Strategy] = {
     "beam": beam_search,
     "contrastive": contrastive,
     "speculative": speculative,
+    "entropix": entropix,
     "medusa": medusa,
 }
 
@@ -112,7 +114,7 @@ class Decoder:
             vocab_size=target.info.vocab_size,
         )
         self.eos_token_ids = frozenset(target.info.eos_token_ids)
-        # Kept current by the server's health watchers (`orchestrator.health`).
+        # Kept current by the replica sets' health watchers (`orchestrator.replicas`).
         self.states = ServiceStates()
 
     def available_strategies(self) -> list[str]:
@@ -128,10 +130,12 @@ class Decoder:
             names = [name for name in names if name != "medusa"]
         return sorted(names)
 
-    def _check_available(self, strategy: str) -> None:
+    def _check_available(self, strategy: str, speculate: bool = False) -> None:
+        """`speculate`: a strategy that takes the draft only when asked to (entropix) was."""
         if not self.states.target_up:
             raise Unavailable(f"target: the target service ({_where(self.target)}) is unreachable or not serving")
-        if strategy in DRAFT_STRATEGIES and self.draft is not None and not self.states.draft_up:
+        needs_draft = strategy in DRAFT_STRATEGIES or speculate
+        if needs_draft and self.draft is not None and not self.states.draft_up:
             others = ", ".join(name for name in sorted(STRATEGIES) if name not in DRAFT_STRATEGIES)
             raise Unavailable(
                 f"draft: the draft service ({_where(self.draft)}) is unreachable or not serving; strategy "
@@ -150,7 +154,7 @@ class Decoder:
         params = request_params.parse(request, len(prompt_ids), self.limits)
         if params.strategy not in STRATEGIES:
             raise InvalidArgument("strategy", f"strategy {echo(params.strategy)} is not available on this orchestrator")
-        self._check_available(params.strategy)
+        self._check_available(params.strategy, params.entropix_speculative)
         return params, prompt_ids
 
     async def stream(

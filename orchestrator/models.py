@@ -74,6 +74,7 @@ class CallStats:
     queue_ms: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    rebuilds: int = 0  # sessions rebuilt on another replica after theirs failed
     # Shared by the services of one generation (`RunStats` links them).
     clock: WaitClock = field(default_factory=WaitClock)
 
@@ -164,6 +165,10 @@ class RemoteSession:
                     reply = await self._call.read()
                 except grpc.aio.AioRpcError as error:
                     raise _service_error(self._label, error) from error
+                except asyncio.InvalidStateError:
+                    # The stream ended before this message (a draining service cut it): its status says why.
+                    code, details = await self._call.code(), await self._call.details()
+                    raise _service_error(self._label, grpc.aio.AioRpcError(code, None, None, details)) from None
             elapsed_s = wait.elapsed_s
             if reply is grpc.aio.EOF:
                 code = await self._call.code()
@@ -228,10 +233,6 @@ class RemoteModel:
                     await channel.close()
                     raise _service_error(f"{label} ({address})", error) from error
                 await asyncio.sleep(0.5)
-
-    @property
-    def channel(self) -> grpc.aio.Channel:
-        return self._channel
 
     def session(self, stats: CallStats) -> ModelSession:
         return RemoteSession(self._stub, self.label, stats, self.tracing)

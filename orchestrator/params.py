@@ -11,13 +11,14 @@ import math
 import struct
 from dataclasses import dataclass, field
 
+from specwire.orchestrator.entropix import CONFIG_FIELDS, EntropixConfig, check_config
 from specwire.v1 import orchestrator_pb2
 
 from specwire.errors import InvalidArgument, check_token_ids
 from specwire.medusa import build_tree
 from specwire.processing import ProcessingConfig
 
-STRATEGIES = ("greedy", "sample", "beam", "speculative", "contrastive", "medusa")
+STRATEGIES = ("greedy", "sample", "beam", "speculative", "contrastive", "entropix", "medusa")
 # Enum values by lowercase name (the SDK's and CLI's spelling); UNSPECIFIED (0) means the first.
 STRATEGY_VALUES = {name: orchestrator_pb2.Strategy.Value(f"STRATEGY_{name.upper()}") for name in STRATEGIES}
 EARLY_STOPPING_VALUES = {
@@ -62,12 +63,16 @@ class GenerationParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     num_return_sequences: int = 1
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | None = None  # None = auto: chosen each round by the latency model
+    speculative_pipeline: bool = True
     draft_confidence_threshold: float = 0.0
     cd_form: str = "obrien"
     cd_alpha: float = 0.1
     cd_beta: float = 0.5
     amateur_temperature: float = 1.0
+    entropix: EntropixConfig | None = None
+    # Entropix verifying a draft's proposals (num_speculative_tokens given with strategy entropix).
+    entropix_speculative: bool = False
     # Medusa: the tree's paths ([] = the strategy's default) and the sampled acceptance rule.
     medusa_choices: list[list[int]] = field(default_factory=list)
     medusa_acceptance: str = "lossless"  # or "typical": LOSSY
@@ -151,13 +156,15 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new}) exceeds the model context of {limits.max_context}",
         )
 
-    temperature = _finite(_opt(request, "temperature", 1.0), "temperature")
+    # Entropix's base warpers default to the reference's values.
+    base = EntropixConfig() if strategy == "entropix" else None
+    temperature = _finite(_opt(request, "temperature", base.temperature if base else 1.0), "temperature")
     if temperature < 0:
         raise InvalidArgument("temperature", f"must be ≥ 0, got {temperature}")
-    top_k = int(_opt(request, "top_k", 0))
+    top_k = int(_opt(request, "top_k", base.top_k if base else 0))
     if top_k < 0:
         raise InvalidArgument("top_k", f"must be ≥ 0 (0 = off), got {top_k}")
-    top_p = _finite(_opt(request, "top_p", 1.0), "top_p")
+    top_p = _finite(_opt(request, "top_p", base.top_p if base else 1.0), "top_p")
     if not 0 < top_p <= 1:
         raise InvalidArgument("top_p", f"must be in (0, 1], got {top_p}")
     min_p = _finite(_opt(request, "min_p", 0.0), "min_p")
@@ -186,9 +193,11 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     early: dict[str, bool | str] = {"false": False, "true": True, "never": "never"}
     early_stopping = early[enum_name(request, "early_stopping", EARLY_STOPPING_VALUES)]
 
-    gamma = int(_opt(request, "num_speculative_tokens", 4))
-    if not 1 <= gamma <= MAX_SPECULATIVE_TOKENS:
-        raise InvalidArgument("num_speculative_tokens", f"must be in [1, {MAX_SPECULATIVE_TOKENS}], got {gamma}")
+    gamma = int(_opt(request, "num_speculative_tokens", 0))
+    if not 0 <= gamma <= MAX_SPECULATIVE_TOKENS:
+        raise InvalidArgument(
+            "num_speculative_tokens", f"must be in [1, {MAX_SPECULATIVE_TOKENS}], or 0 for auto; got {gamma}"
+        )
     threshold = _finite(_opt(request, "draft_confidence_threshold", 0.0), "draft_confidence_threshold")
     if not 0 <= threshold < 1:
         raise InvalidArgument("draft_confidence_threshold", f"must be in [0, 1), got {threshold}")
@@ -223,6 +232,7 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
 
     warpers_set = [name for name in SAMPLING_FIELDS if request.HasField(name)]
     sampling_asked = strategy == "sample" or (strategy in ("speculative", "contrastive", "medusa") and bool(warpers_set))
+    entropix = entropix_config(request, temperature, top_k, top_p, min_p, limits.vocab_size) if base else None
     if strategy == "beam" and warpers_set:
         raise InvalidArgument(warpers_set[0], "beam search here is deterministic; sampling warpers do not apply")
     if strategy == "contrastive" and num_beams > 1 and sampling_asked and temperature > 0:
@@ -235,6 +245,8 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
         top_p=top_p,
         min_p=min_p,
     )
+    if entropix is not None:  # the policy warps on the orchestrator; the target only applies penalties
+        processing = ProcessingConfig(repetition_penalty=repetition_penalty, no_repeat_ngram_size=ngram)
     return GenerationParams(
         strategy=strategy,
         max_new_tokens=max_new,
@@ -246,18 +258,37 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
         length_penalty=length_penalty,
         early_stopping=early_stopping,
         num_return_sequences=num_return,
-        num_speculative_tokens=gamma,
+        num_speculative_tokens=gamma or None,
+        speculative_pipeline=request.speculative_pipeline if request.HasField("speculative_pipeline") else True,
         draft_confidence_threshold=threshold,
         cd_form=cd_form,
         cd_alpha=cd_alpha,
         cd_beta=cd_beta,
         amateur_temperature=amateur_t,
+        entropix=entropix,
+        entropix_speculative=entropix is not None and gamma > 0,  # a fixed γ; auto (0) is plain entropix
         medusa_choices=medusa_choices,
         medusa_acceptance=acceptance,
         posterior_threshold=posterior_threshold,
         posterior_alpha=posterior_alpha,
         do_sample=sampling_asked and temperature > 0,
     )
+
+
+def entropix_config(
+    request: orchestrator_pb2.GenerateRequest, temperature: float, top_k: int, top_p: float, min_p: float, vocab_size: int
+) -> EntropixConfig:
+    """The request's `entropix` fields over the reference's defaults, every one checked."""
+    message = request.entropix
+    values: dict[str, float] = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
+    for name in CONFIG_FIELDS:
+        if name not in values and message.HasField(name):
+            values[name] = getattr(message, name)
+    config = EntropixConfig(**values)  # type: ignore[arg-type]
+    for name, problem in check_config(config, vocab_size):
+        base_field = name in ("temperature", "top_k", "top_p", "min_p")
+        raise InvalidArgument(name if base_field else f"entropix.{name}", problem)
+    return config
 
 
 MAX_MEDUSA_NODES = 256

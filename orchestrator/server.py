@@ -12,16 +12,16 @@ from grpc_health.v1 import health_pb2
 from opentelemetry.trace import SpanKind
 from specwire.orchestrator.context import BeamSequence
 from specwire.orchestrator.generation import Decoder, Delta, Result
-from specwire.orchestrator.health import HealthWatcher, ServiceStates
-from specwire.orchestrator.models import RemoteModel
+from specwire.orchestrator.health import ServiceStates
+from specwire.orchestrator.replicas import ReplicaCollector, ReplicaSet
+from specwire.orchestrator.stats import RunStats
 from specwire.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
-from specwire import serving, telemetry
+from specwire import security, serving, telemetry
 from specwire.config import OrchestratorConfig
 from specwire.engine import load_tokenizer
 from specwire.errors import FailedPrecondition, StatusError, capped
 from specwire.metrics import OrchestratorMetrics, serve_metrics
-from specwire.model_service import SERVICE_NAME as MODEL_SERVICE
 
 log = logging.getLogger("specwire")
 SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
@@ -41,6 +41,11 @@ def finish_reason_pb(name: str) -> orchestrator_pb2.FinishReason:
     return orchestrator_pb2.FinishReason.Value(f"FINISH_REASON_{name.upper()}" if name else "FINISH_REASON_UNSPECIFIED")
 
 
+def _decisions_pb(stats: RunStats) -> list[orchestrator_pb2.EntropixDecision]:
+    """The entropix decision trace, one entry per generated token."""
+    return [orchestrator_pb2.EntropixDecision(**vars(record)) for record in stats.decisions[: stats.new_tokens]]
+
+
 def result_to_pb(decoder: Decoder, result: Result) -> orchestrator_pb2.GenerateResponse:
     return orchestrator_pb2.GenerateResponse(
         token_ids=result.token_ids,
@@ -48,6 +53,7 @@ def result_to_pb(decoder: Decoder, result: Result) -> orchestrator_pb2.GenerateR
         finish_reason=finish_reason_pb(result.finish_reason),
         sequences=_sequences_pb(decoder, result.sequences),
         stats=result.stats.to_pb(),
+        decisions=_decisions_pb(result.stats),
     )
 
 
@@ -60,12 +66,24 @@ def delta_to_pb(decoder: Decoder, delta: Delta) -> orchestrator_pb2.GenerateDelt
     )
     if delta.stats is not None:
         message.stats.CopyFrom(delta.stats.to_pb())
+        message.decisions.extend(_decisions_pb(delta.stats))
     return message
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def __init__(self, decoder: Decoder) -> None:
         self.decoder = decoder
+
+    def _replicas_pb(self) -> list[orchestrator_pb2.Replica]:
+        handles = [self.decoder.target, self.decoder.draft]
+        return [
+            orchestrator_pb2.Replica(
+                role=r.role, address=r.address, state=r.state, active_sessions=r.active_sessions,
+                sessions_opened=r.sessions_opened, failures=r.failures,
+            )
+            for handle in handles if isinstance(handle, ReplicaSet)
+            for r in handle.states()
+        ]
 
     async def Generate(
         self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -110,6 +128,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             strategies=decoder.available_strategies(),
             draft_capabilities=draft.capabilities if draft else [],
             target_capabilities=target.capabilities,
+            replicas=self._replicas_pb(),
         )
 
 
@@ -118,19 +137,23 @@ async def build_decoder(
     tracing: telemetry.Tracing | None = None,
     metrics: OrchestratorMetrics | None = None,
 ) -> Decoder:
-    """Connect to the services, load the tokenizer, check they agree."""
-    connecting = [RemoteModel.connect(config.target, "target", config.connect_timeout_s)]
+    """Connect to every replica of the services, load the tokenizer, check they agree."""
+    timeout, tls, failover = config.connect_timeout_s, config.services_tls, config.failover_timeout_s
+    connecting = [ReplicaSet.connect(config.target, "target", timeout, tls, failover)]
     if config.draft:
-        connecting.append(RemoteModel.connect(config.draft, "draft", config.connect_timeout_s))
+        # Speculative decoding goes on target-only when no draft replica is left.
+        connecting.append(ReplicaSet.connect(config.draft, "draft", timeout, tls, failover, optional=True))
     models = await asyncio.gather(*connecting)
     target, draft = models[0], models[1] if len(models) > 1 else None
     for model in models:
         model.tracing = tracing
+    if metrics is not None:
+        metrics.registry.register(ReplicaCollector(list(models)))
     source = config.tokenizer or target.info.tokenizer_source
     tokenizer = load_tokenizer(source) if source else None
     if tokenizer is None:
         raise FailedPrecondition(f"no tokenizer could be loaded from {source!r}; pass --tokenizer DIR_OR_HUB_ID")
-    return Decoder(
+    decoder = Decoder(
         target,
         draft,
         tokenizer,
@@ -140,12 +163,16 @@ async def build_decoder(
         tracing=tracing,
         metrics=metrics,
     )
+    # The replica sets' health watchers keep the decoder's view of the roles current.
+    for model in models:
+        model.follow(decoder.states)
+    return decoder
 
 
-def watch_services(decoder: Decoder, running: serving.RunningServer) -> list[HealthWatcher]:
-    """Follow the model services' health streams: the orchestrator is SERVING (for "" and
-    `specwire.v1.Orchestrator`) while the target is, and offers the draft's strategies while the
-    draft is. Returns the started watchers (stop them before closing the channels)."""
+def watch_services(decoder: Decoder, running: serving.RunningServer) -> None:
+    """Make the orchestrator's health follow the services' (as its replica sets watch them):
+    SERVING (for "" and `specwire.v1.Orchestrator`) while a target replica is, NOT_SERVING
+    while none is. The draft's strategies follow the draft replicas in `Decoder` itself."""
     loop = asyncio.get_running_loop()
 
     def follow(states: ServiceStates) -> None:
@@ -154,13 +181,8 @@ def watch_services(decoder: Decoder, running: serving.RunningServer) -> list[Hea
             loop.create_task(running.health.set(name, status))
 
     decoder.states.listeners.append(follow)
-    watchers = []
-    for model in (decoder.target, decoder.draft):
-        if isinstance(model, RemoteModel):
-            watcher = HealthWatcher(model.channel, model.label, MODEL_SERVICE, decoder.states)
-            watcher.start()
-            watchers.append(watcher)
-    return watchers
+    if not decoder.states.target_up:  # the last target replica went away before this
+        follow(decoder.states)
 
 
 async def run(config: OrchestratorConfig) -> None:
@@ -171,27 +193,35 @@ async def run(config: OrchestratorConfig) -> None:
     metrics = OrchestratorMetrics() if observe.metrics_port else None
     try:
         decoder = await build_decoder(config, tracing, metrics)
-    except StatusError as error:
-        print(f"orchestrator refuses to start: {error.message}", file=sys.stderr, flush=True)
+    except (StatusError, ValueError) as error:
+        message = error.message if isinstance(error, StatusError) else str(error)
+        print(f"orchestrator refuses to start: {message}", file=sys.stderr, flush=True)
         raise SystemExit(2) from error
     servicer = OrchestratorServicer(decoder)
+    interceptors = [security.TokenAuth(security.TokenFile(config.auth_token_file))] if config.auth_token_file else []
 
     def register(server: grpc.aio.Server) -> None:
         orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, server)
 
-    running = await serving.start_server(register, [SERVICE_NAME], config.host, config.port)
+    running = await serving.start_server(
+        register, [SERVICE_NAME], config.host, config.port, interceptors=interceptors, tls=config.tls,
+        health_port=config.health_port,
+    )
 
     metrics_server = serve_metrics(metrics.registry, config.host, observe.metrics_port) if metrics else None
 
     async def ready() -> None:
         return None
 
-    watchers = watch_services(decoder, running)
     try:
-        await serving.serve_until_signalled(running, [SERVICE_NAME], ready, "orchestrator", config.host, config.grace_s)
+        await serving.serve_until_signalled(
+            running, [SERVICE_NAME], ready, "orchestrator", config.host, config.grace_s,
+            on_serving=lambda: watch_services(decoder, running),
+        )
     finally:
-        for watcher in watchers:
-            await watcher.stop()
+        for model in (decoder.target, decoder.draft):
+            if isinstance(model, ReplicaSet):
+                await model.close()
         if metrics_server is not None:
             metrics_server.shutdown()
         if tracing is not None:

@@ -13,78 +13,64 @@ A round (DESIGN.md, "Round of speculative sampling"):
 3. the orchestrator decides with the pure functions below; the roll-backs ride on the next
    round's messages, so a round is exactly one trip to each service.
 
-Greedy rounds carry argmax ids only; sampled rounds the warped distributions (float32, see
-`SCORE_PROBS` in protos/model.proto). A deterministic drafter (the n-gram drafter) sends no
-probabilities: its q is one-hot on the proposed token, which keeps the rule exact.
+Greedy rounds carry argmax ids only. In sampled rounds the draft proposes from its top
+`DRAFT_TOP_K` tokens, renormalised, and sends that q sparse; the orchestrator forwards q and a
+seed it draws to the target, which decides the round where p is (`Step.verify`, the same pure
+function in `specwire.acceptance`) and answers with the accepted length and the correction or
+bonus token: p never travels. Against a target without the "verify" capability, p comes back
+(float32, see `SCORE_KIND_PROBS` in protos/model.proto; sparse when the request truncates) and
+the orchestrator decides. The
+n-gram drafter runs here, on the orchestrator's history: no draft message at all, and its q is
+one-hot on the proposed token, which keeps the rule exact.
 
-Statistics. Every round yields `accepted + 1` tokens: the accepted draft tokens, then either a
-correction (a draft token was rejected) or a bonus (every drafted token — possibly none — was
-accepted). So, before the output is trimmed, tokens out = accepted + corrections + bonuses, and
-`accepted_length_histogram` sums to `rounds`. The strategy never drafts past `max_new_tokens`
+Beyond the reference flow: γ is chosen per round (`num_speculative_tokens` unset or 0) from
+running estimates of the costs, trip times and α by the latency model in `speedup`, which may
+choose a target-only round (multi-step, as in `standard`) when speculation is predicted slower,
+probing again after 4, 8, then every 16 such rounds; and with a model draft, the next round's
+proposal is drafted while the target verifies this one (pipelined drafting), on the guess that
+every draft is accepted and the bonus token is the draft's own next token. A wrong guess costs
+a discarded proposal and a roll-back that rides on the next draft message.
+
+Statistics. Every speculative round yields `accepted + 1` tokens: the accepted draft tokens, then
+either a correction (a draft token was rejected) or a bonus (every drafted token — possibly none
+— was accepted). So, before the output is trimmed, tokens out = accepted + corrections + bonuses
++ target-only tokens, and `accepted_length_histogram` sums to `rounds` − `speculation_off_rounds`. The strategy never drafts past `max_new_tokens`
 (γ is capped by the tokens still wanted), so only an eos or a stop string trims a round's tokens;
-with `ignore_eos` and no stop strings, `new_tokens` = accepted + corrections + bonuses exactly.
+with `ignore_eos` and no stop strings, `new_tokens` = accepted + corrections + bonuses +
+target-only tokens exactly.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-from specwire.orchestrator.context import DecodeContext
+from specwire.draft_service.ngram import ngram_proposal
+from specwire.orchestrator.context import DecodeContext, Round
+from specwire.orchestrator.params import MAX_SPECULATIVE_TOKENS
+from specwire.orchestrator.speedup import RunningEstimates
 
-from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest, StepResult
+from specwire.acceptance import accept_draft
+from specwire.processing import ProcessingConfig
+from specwire.serving import MAX_MESSAGE_BYTES
+from specwire.session import ModelInfo, OpenRequest, ScoreKind, Scores, Scoring, StepRequest, StepResult, Verification
 
-
-def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-    """p'(x) = norm(max(0, p(x) − q(x))) (Leviathan et al. 2023, §2.3); p itself where that is all 0.
-
-    The residual is all zeros only when p ≤ q everywhere, i.e. p = q, where no rejection can
-    happen in exact arithmetic; falling back to p keeps the function total.
-    target_probs, draft_probs: [..., vocab] → [..., vocab], rows summing to 1.
-    """
-    residual = (target_probs - draft_probs).clamp_min(0.0)  # [..., vocab]
-    mass = residual.sum(dim=-1, keepdim=True)  # [..., 1]
-    return torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), target_probs)
-
-
-def accept_drafts(
-    draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling's decision for a batch of independent rounds.
-
-    Accept x_i while u_i < min(1, p_i(x_i) / q_i(x_i)), u_i ~ U[0, 1); at the first rejection
-    draw the correction from norm(max(0, p_i − q_i)); if all γ are accepted, draw the bonus token
-    from p_{γ+1}. The tokens out are then distributed exactly as p (Leviathan et al. 2023, Thm. 1).
-
-    draft_tokens: [B, γ] int; draft_probs q: [B, γ, V]; target_probs p: [B, γ+1, V].
-    Returns accepted_len [B] int64 in [0, γ] and next_token [B] int64.
-    """
-    batch, gamma = draft_tokens.shape
-    index = draft_tokens.long().unsqueeze(-1)  # [B, γ, 1]
-    p_drafted = target_probs[:, :gamma].gather(-1, index).squeeze(-1)  # [B, γ]
-    q_drafted = draft_probs.gather(-1, index).squeeze(-1)  # [B, γ]
-    uniform = torch.rand((batch, gamma), generator=generator)  # [B, γ]
-    accepted = uniform * q_drafted < p_drafted  # u < p/q without dividing; q(x) > 0 for a drawn x
-    accepted_len = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [B]
-    rows = torch.arange(batch)
-    # A zero q row after the last draft makes the residual there p_{γ+1}: the bonus distribution.
-    padded_q = F.pad(draft_probs, (0, 0, 0, 1))  # [B, γ+1, V]
-    next_dist = residual_distribution(target_probs[rows, accepted_len], padded_q[rows, accepted_len])  # [B, V]
-    next_token = torch.multinomial(next_dist, 1, generator=generator).squeeze(-1)  # [B]
-    return accepted_len, next_token
-
-
-def accept_draft(
-    draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None
-) -> tuple[int, int]:
-    """One round of `accept_drafts`. draft_tokens: [γ]; draft_probs: [γ, V]; target_probs: [γ+1, V]."""
-    accepted_len, next_token = accept_drafts(
-        draft_tokens.unsqueeze(0), draft_probs.unsqueeze(0), target_probs.unsqueeze(0), generator
-    )
-    return int(accepted_len[0]), int(next_token[0])
+FIRST_GAMMA = 4  # auto γ until the first costs are measured
+MAX_AUTO_GAMMA = 16
+# Target-only rounds between two probes of speculation: a probe pays the draft's trip, so the
+# first wait is already a few rounds; each failed probe doubles it.
+MIN_BACKOFF = 4
+MAX_BACKOFF = 16
+# Sampled rounds: the draft proposes from (and sends) its top k only, renormalised. Any q the
+# drafts are drawn from keeps the rule exact; this one crosses the wire in k·8 bytes a position.
+DRAFT_TOP_K = 128
+# Sampled rounds are decided in a target that has the "verify" capability; False keeps the dense
+# protocol (p sent back, decided here), as against a target without it.
+VERIFY_IN_TARGET = True
 
 
 def accept_greedy(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> tuple[int, int]:
@@ -116,79 +102,321 @@ class SessionSync:
         return keep, history[self.valid :]
 
 
+@dataclass
+class Proposal:
+    """One round's draft tokens and their q; `probs` None for a deterministic drafter (one-hot q)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), V]
+
+
+def sparse_draft_probs(tokens: list[int], probs: torch.Tensor | None) -> Scores:
+    """q as it travels to a verifying target: each row's nonzero entries only (exact), or the
+    one-hot q of a deterministic drafter. probs: [γ, V] or None → sparse rows [γ, k]."""
+    if probs is None:
+        ids = torch.tensor(tokens, dtype=torch.int32).reshape(-1, 1)  # [γ, 1]
+        return Scores(ScoreKind.PROBS, sparse_ids=ids, sparse_values=torch.ones(ids.shape))
+    support = max(1, int((probs > 0).sum(dim=-1).max())) if probs.shape[0] else 1
+    values, ids = torch.topk(probs, support, dim=-1)  # [γ, k]
+    return Scores(ScoreKind.PROBS, sparse_ids=ids.to(torch.int32).masked_fill(values <= 0, -1), sparse_values=values)
+
+
+def max_sampled_gamma(vocab_size: int, message_bytes: int = MAX_MESSAGE_BYTES) -> int:
+    """The largest γ whose dense float32 p, (γ+1)·V·4 bytes, fills at most half a message."""
+    return max(1, message_bytes // 2 // (4 * vocab_size) - 1)
+
+
+def ngram_settings(info: ModelInfo) -> tuple[int, int] | None:
+    """(ngram_max, ngram_min) when the draft service is the n-gram drafter, else None."""
+    if "ngram" not in info.capabilities:
+        return None
+    settings = dict(c.split("=", 1) for c in info.capabilities if c.startswith("ngram_") and "=" in c)
+    return int(settings.get("ngram_max", 3)), int(settings.get("ngram_min", 1))
+
+
 async def speculative(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
-    params = ctx.params
-    score_kind = ScoreKind.PROBS if params.do_sample else ScoreKind.ARGMAX
-    draft, target = ctx.draft_session(), ctx.target_session()
-    assert ctx.draft is not None  # draft_session() refused otherwise
-    draft_context = ctx.draft.info.max_context
-    history = list(ctx.prompt_ids)
-    draft_sync = SessionSync(len(history), len(history))
-    target_sync = SessionSync(len(history), len(history))
+    run = Speculation(ctx)
     produced = 0
-    while True:
-        remaining = params.max_new_tokens - produced
-        # Never draft tokens the output cannot take, nor past the draft model's context.
-        gamma = max(0, min(params.num_speculative_tokens, remaining - 1, draft_context - len(history)))
-        with ctx.round() as current:
-            if produced == 0:
-                opening = OpenRequest(history, params.processing, 1, Scoring(ScoreKind.NONE), ctx.trace())
-                await asyncio.gather(draft.open(opening), target.open(opening))
-            proposal: StepResult | None = None
-            drafts: list[int] = []
-            if gamma > 0:
-                keep, append = draft_sync.catch_up(history)
-                proposal = await draft.step(
-                    StepRequest(
-                        keep_tokens=keep,
-                        append_ids=append,
-                        propose=gamma,
-                        propose_greedy=not params.do_sample,
-                        propose_seed=ctx.draw_seed() if params.do_sample else 0,
-                        propose_min_confidence=params.draft_confidence_threshold,
-                        trace=ctx.trace(),
-                    )
-                )
-                assert proposal.proposed_ids is not None
-                drafts = proposal.proposed_ids.reshape(-1).tolist()  # may be fewer than γ, or none
-            keep, append = target_sync.catch_up(history)
-            verified = await target.step(
-                StepRequest(
-                    keep_tokens=keep,
-                    append_ids=append + drafts,
-                    scoring=Scoring(score_kind, positions=len(drafts) + 1),
-                    trace=ctx.trace(),
-                )
-            )
-            accepted_len, next_token = _decide(ctx, drafts, proposal, verified)
-            # Both sessions now hold history + drafts; the roll-back travels with the next round.
-            target_sync = SessionSync(held=len(history) + len(drafts), valid=len(history) + accepted_len)
-            if proposal is not None:
-                draft_sync = SessionSync(held=len(history) + len(drafts), valid=len(history) + accepted_len)
-            _count(ctx, len(drafts), accepted_len)
-            current.set(gamma=gamma, drafted=len(drafts), accepted=accepted_len)
-        decided = drafts[:accepted_len] + [next_token]
-        history = history + decided
+    while produced < ctx.params.max_new_tokens:
+        decided = await run.round(ctx.params.max_new_tokens - produced)
         produced += len(decided)
         yield decided
 
 
-def _decide(
-    ctx: DecodeContext, drafts: list[int], proposal: StepResult | None, verified: StepResult
-) -> tuple[int, int]:
-    """Accepted length and next token from the target's scores and the draft's proposal."""
+class Speculation:
+    """One generation's speculative rounds: sessions, their sync, the running estimates, γ."""
+
+    def __init__(self, ctx: DecodeContext) -> None:
+        self.ctx = ctx
+        if ctx.draft is None:
+            ctx.draft_session()  # refuses: FAILED_PRECONDITION
+        assert ctx.draft is not None
+        self.target = ctx.target_session()
+        # Prompt lookup needs only the history, which is here: drafting it costs no message.
+        self.ngram = ngram_settings(ctx.draft.info)
+        self.draft = None if self.ngram is not None else ctx.draft_session()
+        self.draft_context = ctx.draft.info.max_context
+        # Sampled rounds are decided in the target when it can (`Step.verify`): p stays there and
+        # only q (k ≤ DRAFT_TOP_K entries a row) travels. Otherwise p travels dense unless the
+        # request truncates: keep it under the message limit.
+        self.verify_remotely = ctx.params.do_sample and VERIFY_IN_TARGET and "verify" in ctx.target.info.capabilities
+        dense_p = ctx.params.do_sample and not self.verify_remotely
+        self.wire_gamma = max_sampled_gamma(ctx.target.info.vocab_size) if dense_p else MAX_SPECULATIVE_TOKENS
+        self.history = list(ctx.prompt_ids)
+        self.target_sync = SessionSync(len(self.history), len(self.history))
+        self.draft_sync = SessionSync(len(self.history), len(self.history))
+        self.target_opened = self.draft_opened = False
+        self.estimates = RunningEstimates()
+        self.pending: Proposal | None = None  # proposed during the previous verification
+        self.off_left = 0  # target-only rounds to run before probing speculation again
+        self.backoff = MIN_BACKOFF
+        self.probing = False
+
+    async def round(self, remaining: int) -> list[int]:
+        ctx = self.ctx
+        with ctx.round() as current:
+            if not self.target_opened:
+                await self.target.open(self._opening())
+                self.target_opened = True
+            gamma = self._choose_gamma(remaining)
+            if gamma is None:
+                decided = await self._target_only(remaining, current)
+            else:
+                decided = await self._speculate(gamma, remaining, current)
+            current.set(**self.estimates.span_attributes())
+            self._publish_estimates()
+        self.history += decided
+        return decided
+
+    # -- γ ------------------------------------------------------------------------------------
+
+    def _gamma_cap(self, remaining: int, held: int) -> int:
+        """Never draft tokens the output cannot take, nor past the draft model's context."""
+        return max(0, min(remaining - 1, self.draft_context - held, self.wire_gamma))
+
+    def _choose_gamma(self, remaining: int) -> int | None:
+        """This round's γ, or None for a target-only round (auto γ only)."""
+        params = self.ctx.params
+        cap = self._gamma_cap(remaining, len(self.history))
+        if self.pending is not None:
+            if len(self.pending.tokens) <= cap:
+                return len(self.pending.tokens)
+            self._discard_pending()
+        if params.num_speculative_tokens is not None or cap == 0:
+            return min(params.num_speculative_tokens or 0, cap)
+        if not self.estimates.ready:
+            return min(FIRST_GAMMA, cap)
+        if self.estimates.target_ms_per_token is None:
+            return None  # one target-only round measures what speculation must beat
+        if self.off_left > 0:
+            self.off_left -= 1
+            return None
+        plan = self.estimates.plan(self.ctx.max_tokens_per_round, min(MAX_AUTO_GAMMA, cap), self.draft is not None)
+        if plan.speculate or (self.probing and plan.gamma > 0):
+            if plan.speculate:
+                self.backoff = MIN_BACKOFF
+            self.probing = False
+            return plan.gamma
+        # Speculation is predicted slower: target-only rounds, then one speculative round to
+        # measure α again; each probe that fails doubles the wait before the next.
+        self.off_left, self.backoff, self.probing = self.backoff - 1, min(2 * self.backoff, MAX_BACKOFF), True
+        return None
+
+    def _ahead_gamma(self, drafted: int, remaining: int) -> int:
+        """γ of the next round, proposed now on the guess that all of this one is accepted."""
+        params = self.ctx.params
+        if self.draft is None or not params.speculative_pipeline:
+            return 0
+        cap = self._gamma_cap(remaining - drafted - 1, len(self.history) + drafted + 1)
+        if params.num_speculative_tokens is not None or cap == 0:
+            return min(params.num_speculative_tokens or 0, cap)
+        if not self.estimates.ready:
+            return min(FIRST_GAMMA, cap)
+        plan = self.estimates.plan(self.ctx.max_tokens_per_round, min(MAX_AUTO_GAMMA, cap), draft_trip=False)
+        return plan.gamma if plan.speculate else 0
+
+    # -- rounds -------------------------------------------------------------------------------
+
+    async def _target_only(self, remaining: int, current: Round) -> list[int]:
+        """The target decides up to k tokens in one message, with the request's own rule."""
+        ctx = self.ctx
+        count = min(ctx.max_tokens_per_round, remaining)
+        keep, append = self.target_sync.catch_up(self.history)
+        before = replace(ctx.stats.target)
+        result = await self.target.step(
+            StepRequest(
+                keep_tokens=keep,
+                append_ids=append,
+                propose=count,
+                propose_greedy=not ctx.params.do_sample,
+                propose_seed=ctx.draw_seed() if ctx.params.do_sample else 0,
+                propose_ids_only=True,
+                trace=ctx.trace(),
+            )
+        )
+        assert result.proposed_ids is not None
+        decided: list[int] = result.proposed_ids.reshape(-1).tolist()
+        spent = ctx.stats.target.since(before)
+        self.estimates.record_target_only(spent.compute_ms, len(decided), spent.client_ms - spent.compute_ms)
+        held = len(self.history) + len(decided)
+        self.target_sync = SessionSync(held, held)
+        ctx.stats.speculation_off_rounds += 1
+        ctx.stats.target_only_tokens += len(decided)
+        current.set(gamma=0, speculation="off", tokens=len(decided))
+        return decided
+
+    async def _speculate(self, gamma: int, remaining: int, current: Round) -> list[int]:
+        ctx = self.ctx
+        pipelined = self.pending is not None
+        proposal = self.pending or await self._propose(gamma)
+        self.pending = None
+        drafts = proposal.tokens
+        ahead_gamma = self._ahead_gamma(len(drafts), remaining)
+        if ahead_gamma > 0:
+            verified, ahead = await asyncio.gather(self._verify(proposal), self._propose_ahead(drafts, ahead_gamma + 1))
+        else:
+            verified, ahead = await self._verify(proposal), None
+        accepted_len, next_token = _decide(ctx, proposal, verified)
+        base = len(self.history)
+        self.target_sync = SessionSync(base + len(drafts), base + accepted_len)
+        if ahead is not None:
+            # The draft holds history + drafts + [guess] + its next proposal.
+            held = base + len(drafts) + len(ahead.tokens)
+            # The draft may propose nothing (its confidence threshold, or no draft replica left).
+            if ahead.tokens and accepted_len == len(drafts) and next_token == ahead.tokens[0]:
+                self.draft_sync = SessionSync(held, held)
+                if len(ahead.tokens) > 1:
+                    rest = ahead.probs[1:] if ahead.probs is not None else None
+                    self.pending = Proposal(ahead.tokens[1:], rest)
+            else:
+                self.draft_sync = SessionSync(held, base + accepted_len)
+                ctx.stats.pipeline_misses += 1
+        elif self.draft is not None:
+            self.draft_sync = SessionSync(base + len(drafts), base + accepted_len)
+        # A round with nothing to draft (no n-gram match) yields one token: a failed trial.
+        self.estimates.record_acceptance(max(1, len(drafts)), accepted_len)
+        _count(ctx, len(drafts), accepted_len)
+        ctx.stats.pipelined_rounds += int(pipelined)
+        ctx.stats.speculative_rounds += 1
+        ctx.stats.gamma_total += len(drafts)
+        current.set(
+            gamma=gamma, drafted=len(drafts), accepted=accepted_len, speculation="on", pipelined=pipelined
+        )
+        return drafts[:accepted_len] + [next_token]
+
+    async def _propose(self, gamma: int) -> Proposal:
+        """γ draft tokens for the history: n-gram lookup here, or one message to the draft model."""
+        if gamma == 0:
+            return Proposal([])
+        if self.draft is None:
+            assert self.ngram is not None
+            started = time.perf_counter()
+            tokens = ngram_proposal(torch.tensor(self.history, dtype=torch.long), gamma, *self.ngram)
+            self.estimates.record_draft((time.perf_counter() - started) * 1e3, gamma, 0.0)
+            return Proposal(tokens)
+        if not self.draft_opened:
+            await self.draft.open(self._opening(self._draft_processing()))
+            self.draft_opened = True
+            self.draft_sync = SessionSync(len(self.history), len(self.history))
+        proposal = await self._draft_step(self.history, gamma)
+        held = len(self.history) + len(proposal.tokens)
+        self.draft_sync = SessionSync(held, held)
+        return proposal
+
+    async def _propose_ahead(self, drafts: list[int], count: int) -> Proposal:
+        """The draft's guess at this round's bonus token, then the next round's drafts."""
+        return await self._draft_step(self.history + drafts, count)
+
+    async def _draft_step(self, history: list[int], count: int) -> Proposal:
+        ctx, params = self.ctx, self.ctx.params
+        assert self.draft is not None
+        keep, append = self.draft_sync.catch_up(history)
+        before = replace(ctx.stats.draft)
+        result = await self.draft.step(
+            StepRequest(
+                keep_tokens=keep,
+                append_ids=append,
+                propose=count,
+                propose_greedy=not params.do_sample,
+                propose_seed=ctx.draw_seed() if params.do_sample else 0,
+                propose_min_confidence=params.draft_confidence_threshold,
+                trace=ctx.trace(),
+            )
+        )
+        assert result.proposed_ids is not None
+        tokens: list[int] = result.proposed_ids.reshape(-1).tolist()  # may be fewer than asked
+        spent = ctx.stats.draft.since(before)
+        if ctx.stats.draft.calls > 2:  # the first step carries the prompt's prefill
+            self.estimates.record_draft(spent.compute_ms, len(tokens), spent.client_ms - spent.compute_ms)
+        probs = None
+        if params.do_sample and result.proposal_scores is not None:
+            probs = result.proposal_scores.to_dense(ctx.target.info.vocab_size, 0.0)  # [n, V]
+        return Proposal(tokens, probs)
+
+    async def _verify(self, proposal: Proposal) -> StepResult:
+        """The target scores the γ+1 positions the drafts decide, in one forward; sampled rounds
+        are decided there too when it can, on q and a seed from here."""
+        ctx, drafts = self.ctx, proposal.tokens
+        keep, append = self.target_sync.catch_up(self.history)
+        before = replace(ctx.stats.target)
+        kind = ScoreKind.PROBS if ctx.params.do_sample else ScoreKind.ARGMAX
+        verify = None
+        if self.verify_remotely:
+            verify = Verification(sparse_draft_probs(drafts, proposal.probs), ctx.draw_seed())
+        verified = await self.target.step(
+            StepRequest(
+                keep_tokens=keep,
+                append_ids=append + drafts,
+                scoring=Scoring(kind, positions=len(drafts) + 1),
+                verify=verify,
+                trace=ctx.trace(),
+            )
+        )
+        spent = ctx.stats.target.since(before)
+        if ctx.stats.target.calls > 2:  # the first step carries the prompt's prefill
+            self.estimates.record_verify(spent.compute_ms, spent.client_ms - spent.compute_ms)
+        return verified
+
+    # -- bookkeeping --------------------------------------------------------------------------
+
+    def _opening(self, processing: ProcessingConfig | None = None) -> OpenRequest:
+        processing = processing or self.ctx.params.processing
+        return OpenRequest(self.history, processing, 1, Scoring(ScoreKind.NONE), self.ctx.trace())
+
+    def _draft_processing(self) -> ProcessingConfig:
+        """The request's warping, and for sampled rounds at most the top `DRAFT_TOP_K` tokens."""
+        processing = self.ctx.params.processing
+        if not self.ctx.params.do_sample:
+            return processing
+        return replace(processing, top_k=min(processing.top_k or DRAFT_TOP_K, DRAFT_TOP_K))
+
+    def _discard_pending(self) -> None:
+        """Drop a pipelined proposal: the draft keeps the history, not the proposal."""
+        self.pending = None
+        self.draft_sync = SessionSync(self.draft_sync.held, len(self.history))
+
+    def _publish_estimates(self) -> None:
+        stats, estimates = self.ctx.stats, self.estimates
+        stats.alpha_estimate = estimates.alpha
+        stats.draft_ms_per_token_estimate = estimates.draft_ms_per_token or 0.0
+        stats.verify_ms_estimate = estimates.verify_ms or 0.0
+        stats.target_ms_per_token_estimate = estimates.target_ms_per_token or 0.0
+        stats.trip_ms_estimate = (estimates.target_trip_ms or 0.0) + (estimates.draft_trip_ms or 0.0)
+
+
+def _decide(ctx: DecodeContext, proposal: Proposal, verified: StepResult) -> tuple[int, int]:
+    """Accepted length and next token: the target's verdict, or decided here from its scores."""
+    if verified.verdict is not None:
+        return verified.verdict.accepted_len, verified.verdict.next_token
     scores = verified.scores
     assert scores is not None
-    draft_tokens = torch.tensor(drafts, dtype=torch.long)  # [γ']
+    draft_tokens = torch.tensor(proposal.tokens, dtype=torch.long)  # [γ']
     if not ctx.params.do_sample:
         assert scores.argmax_ids is not None
         return accept_greedy(draft_tokens, scores.argmax_ids)
     vocab_size = ctx.target.info.vocab_size
     target_probs = scores.to_dense(vocab_size, 0.0)  # [γ'+1, V]
-    if proposal is not None and proposal.proposal_scores is not None:
-        draft_probs = proposal.proposal_scores.to_dense(vocab_size, 0.0)  # [γ', V]
-    else:
-        draft_probs = one_hot_probs(draft_tokens, vocab_size)  # a deterministic drafter: [γ', V]
+    draft_probs = proposal.probs if proposal.probs is not None else one_hot_probs(draft_tokens, vocab_size)  # [γ', V]
     return accept_draft(draft_tokens, draft_probs, target_probs, ctx.generator)
 
 

@@ -8,10 +8,16 @@ decoding is E / (γ·c + 1) (Theorem 3.8).
 
 Across hosts a round also pays the network: in wall time a round takes γ·t_d + t_v + RTT, so
 the time per token is (γ·t_d + t_v + RTT) · (1 − α) / (1 − α^(γ+1)), and the best γ minimises
-it. Pure functions, no I/O: `bench` and `experiment` feed them measured figures.
+it. Target-only decoding with k tokens per message (multi-step rounds) takes t_s + RTT/k per
+token, t_s the target's time per decoded token; speculation pays only when its best γ beats
+that. Pure functions, no I/O: `bench` and `experiment` feed them measured figures, and
+`RunningEstimates` keeps the figures a generation measures as it goes, so each round's γ (or
+a target-only round) minimises the predicted time per token.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 def expected_tokens_per_round(alpha: float, gamma: float) -> float:
@@ -52,7 +58,117 @@ def best_gamma(
     )
 
 
-def alpha_estimate(accepted: int, rejected: int) -> float:
+def target_only_time_per_token_ms(step_ms_per_token: float, rtt_ms: float, tokens_per_round: int) -> float:
+    """t_s + RTT / k: wall time per token when the target decides k tokens per message alone."""
+    if tokens_per_round < 1:
+        raise ValueError(f"tokens_per_round must be ≥ 1, got {tokens_per_round}")
+    return step_ms_per_token + rtt_ms / tokens_per_round
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """The best γ for the next round, and whether speculating at it beats a target-only round."""
+
+    gamma: int  # the argmin γ; 0 when no draft token fits
+    speculative_ms_per_token: float  # predicted at that γ
+    target_only_ms_per_token: float  # predicted for a target-only round
+
+    @property
+    def speculate(self) -> bool:
+        return self.gamma > 0 and self.speculative_ms_per_token <= self.target_only_ms_per_token
+
+
+def plan_round(
+    alpha: float,
+    draft_ms_per_token: float,
+    verify_ms: float,
+    rtt_ms: float,
+    target_ms_per_token: float,
+    target_rtt_ms: float,
+    tokens_per_round: int,
+    max_gamma: int,
+) -> RoundPlan:
+    """γ* = argmin_γ (γ·t_d + t_v + R)(1 − α)/(1 − α^(γ+1)), to compare with target-only rounds,
+    t_s + R_t/k. R counts both services' trips, R_t the target's alone."""
+    off_ms = target_only_time_per_token_ms(target_ms_per_token, target_rtt_ms, tokens_per_round)
+    if max_gamma < 1:
+        return RoundPlan(0, float("inf"), off_ms)
+    gamma = best_gamma(alpha, draft_ms_per_token, verify_ms, rtt_ms, max_gamma)
+    spec_ms = time_per_token_ms(gamma, alpha, draft_ms_per_token, verify_ms, rtt_ms)
+    return RoundPlan(gamma, spec_ms, off_ms)
+
+
+def _ema(old: float | None, new: float, weight: float = 0.3) -> float:
+    return new if old is None else (1.0 - weight) * old + weight * new
+
+
+@dataclass
+class RunningEstimates:
+    """One generation's running figures for `plan_round`: moving averages of measured costs and
+    decayed acceptance counts (α by `alpha_estimate`, from a prior of 3 accepted, 2 rejected, so
+    the first rounds neither lock speculation in nor out). None until measured."""
+
+    draft_ms_per_token: float | None = None
+    verify_ms: float | None = None
+    target_ms_per_token: float | None = None  # target-only rounds: compute per decided token
+    draft_trip_ms: float | None = None  # a draft message's time beyond the draft's compute
+    target_trip_ms: float | None = None  # a target message's time beyond the target's compute
+    accepted: float = 3.0
+    rejected: float = 2.0
+    decay: float = 0.9
+
+    @property
+    def alpha(self) -> float:
+        return alpha_estimate(self.accepted, self.rejected)
+
+    @property
+    def ready(self) -> bool:
+        return self.draft_ms_per_token is not None and self.verify_ms is not None
+
+    def record_acceptance(self, drafted: int, accepted: int) -> None:
+        """One verified round: `accepted` successes and, when short of `drafted`, one rejection."""
+        self.accepted = self.decay * self.accepted + accepted
+        self.rejected = self.decay * self.rejected + (1.0 if accepted < drafted else 0.0)
+
+    def record_draft(self, compute_ms: float, tokens: int, trip_ms: float) -> None:
+        if tokens > 0:
+            self.draft_ms_per_token = _ema(self.draft_ms_per_token, compute_ms / tokens)
+        self.draft_trip_ms = _ema(self.draft_trip_ms, trip_ms)
+
+    def record_verify(self, compute_ms: float, trip_ms: float) -> None:
+        self.verify_ms = _ema(self.verify_ms, compute_ms)
+        self.target_trip_ms = _ema(self.target_trip_ms, trip_ms)
+
+    def record_target_only(self, compute_ms: float, tokens: int, trip_ms: float) -> None:
+        if tokens > 0:
+            self.target_ms_per_token = _ema(self.target_ms_per_token, compute_ms / tokens)
+        self.target_trip_ms = _ema(self.target_trip_ms, trip_ms)
+
+    def plan(self, tokens_per_round: int, max_gamma: int, draft_trip: bool) -> RoundPlan:
+        """The best next round; `draft_trip` is False when drafting costs no message (n-gram
+        drafting in the orchestrator, or a proposal already made in the previous round)."""
+        assert self.draft_ms_per_token is not None and self.verify_ms is not None
+        target_trip = self.target_trip_ms or 0.0
+        rtt = target_trip + ((self.draft_trip_ms or 0.0) if draft_trip else 0.0)
+        # Until a target-only round is measured, a decode step costs what a verify step does.
+        step = self.target_ms_per_token if self.target_ms_per_token is not None else self.verify_ms
+        return plan_round(
+            self.alpha, self.draft_ms_per_token, self.verify_ms, rtt, step, target_trip, tokens_per_round, max_gamma
+        )
+
+    def span_attributes(self) -> dict[str, float]:
+        figures = {
+            "alpha_estimate": self.alpha,
+            "draft_ms_per_token": self.draft_ms_per_token,
+            "verify_ms": self.verify_ms,
+            "target_ms_per_token": self.target_ms_per_token,
+            "draft_trip_ms": self.draft_trip_ms,
+            "target_trip_ms": self.target_trip_ms,
+        }
+        return {name: value for name, value in figures.items() if value is not None}
+
+
+def alpha_estimate(accepted: float, rejected: float) -> float:
     """Maximum-likelihood α under the i.i.d. model: accepted / (accepted + rejected).
 
     Each compared draft token is a Bernoulli(α) trial until the first rejection, so rounds cut

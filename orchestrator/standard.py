@@ -42,6 +42,7 @@ async def standard(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
                 propose=count,
                 propose_greedy=not params.do_sample,
                 propose_seed=ctx.draw_seed() if params.do_sample else 0,
+                propose_ids_only=True,
                 trace=ctx.trace(),
             )
             result = await target.step(request)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specwire.orchestrator.entropix import DecisionRecord
 from specwire.orchestrator.models import CallStats
 from specwire.v1 import orchestrator_pb2
 
@@ -23,6 +24,18 @@ class RunStats:
     corrections: int = 0
     bonus_tokens: int = 0
     accepted_length_histogram: list[int] = field(default_factory=list)
+    speculative_rounds: int = 0
+    gamma_total: int = 0  # draft tokens verified, over speculative rounds
+    speculation_off_rounds: int = 0
+    target_only_tokens: int = 0
+    pipelined_rounds: int = 0
+    pipeline_misses: int = 0
+    # The running estimates behind the last round's γ (`speedup.RunningEstimates`).
+    alpha_estimate: float = 0.0
+    draft_ms_per_token_estimate: float = 0.0
+    verify_ms_estimate: float = 0.0
+    target_ms_per_token_estimate: float = 0.0
+    trip_ms_estimate: float = 0.0
     # Medusa: tree rounds, nodes verified, and rounds in which head k's node was accepted.
     tree_rounds: int = 0
     tree_nodes: int = 0
@@ -31,6 +44,9 @@ class RunStats:
     valid_set_sizes: int = 0
     differs_from_expert: int = 0
     contrastive_steps: int = 0
+    # Entropix: one record per decided token (the decision trace) and tokens per state.
+    decisions: list[DecisionRecord] = field(default_factory=list)
+    entropix_states: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # One clock for both services: overlapping calls count once as waiting time.
@@ -83,10 +99,22 @@ class RunStats:
             corrections=self.corrections,
             bonus_tokens=self.bonus_tokens,
             bytes_per_round=total_bytes / self.rounds if self.rounds else 0.0,
+            speculation_off_rounds=self.speculation_off_rounds,
+            target_only_tokens=self.target_only_tokens,
+            pipelined_rounds=self.pipelined_rounds,
+            pipeline_misses=self.pipeline_misses,
+            mean_gamma=self.gamma_total / self.speculative_rounds if self.speculative_rounds else 0.0,
+            alpha_estimate=self.alpha_estimate,
+            draft_ms_per_token_estimate=self.draft_ms_per_token_estimate,
+            verify_ms_estimate=self.verify_ms_estimate,
+            target_ms_per_token_estimate=self.target_ms_per_token_estimate,
+            trip_ms_estimate=self.trip_ms_estimate,
             expert_ms_per_step=target.client_ms / steps if self.contrastive_steps else 0.0,
             amateur_ms_per_step=draft.client_ms / steps if self.contrastive_steps else 0.0,
             mean_valid_set_size=self.valid_set_sizes / steps if self.contrastive_steps else 0.0,
             differs_from_expert_rate=self.differs_from_expert / steps if self.contrastive_steps else 0.0,
+            sessions_rebuilt=target.rebuilds + draft.rebuilds,
+            entropix_states=self.entropix_states,
             medusa_tree_size=self.tree_nodes / self.tree_rounds if self.tree_rounds else 0.0,
             medusa_head_acceptance=[count / self.tree_rounds for count in self.head_accepted],
         )

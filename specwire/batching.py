@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from specwire.lean_forward import ForwardBatch, ForwardOutput, LeanModel
 from specwire.slot_cache import SlotCache
@@ -40,13 +41,15 @@ class ForwardJob:
     positions: torch.Tensor | None = None  # [rows, n]; None = start + arange(n)
     tree_mask: torch.Tensor | None = None  # [n, n] bool: new token i sees new token j; None = causal
     want_hidden: bool = False
-    want_attention: bool = False
+    want_attention: bool = False  # the last layer's scores of the `keep` tokens (entropix)
     owner: object = None  # the session the job comes from
     more: bool = False  # the owner sends its next job right after this one (a multi-step round)
     # results
     logits: torch.Tensor | None = None  # [rows, keep, vocab] float32
     hidden: torch.Tensor | None = None  # [rows, n, hidden]
-    attention_scores: torch.Tensor | None = None  # [rows, heads, n, start + n]
+    # [rows, heads, keep, start + n] float32: the last layer's pre-softmax scores of the `keep`
+    # tokens whose logits are returned, over every slot of the row, −inf where not attended to.
+    attention_scores: torch.Tensor | None = None
     error: BaseException | None = None
     done: bool = False
     _wake: threading.Event = field(default_factory=threading.Event)  # done, or told to lead
@@ -146,17 +149,26 @@ class Scheduler:
     def _run_chunked(self, job: ForwardJob) -> ForwardJob:
         """A long prefill as a sequence of PREFILL_CHUNK-token jobs, batched with the others."""
         n = job.new_tokens
+        scores: list[torch.Tensor] = []
         for begin in range(0, n, PREFILL_CHUNK):
             end = min(n, begin + PREFILL_CHUNK)
-            keep = max(0, job.keep - (n - end))
+            keep = min(end - begin, max(0, job.keep - (n - end)))  # of this chunk's tokens
+            attention = job.want_attention and keep > 0
             part = self.run(
-                ForwardJob(job.rows, job.tokens[:, begin:end], job.start + begin, max(keep, 1), want_hidden=job.want_hidden)
+                ForwardJob(job.rows, job.tokens[:, begin:end], job.start + begin, max(keep, 1),
+                           want_hidden=job.want_hidden, want_attention=attention)
             )
             if part.hidden is not None:  # [rows, chunk, hidden]
                 job.hidden = part.hidden if job.hidden is None else torch.cat([job.hidden, part.hidden], 1)
             if keep > 0:
                 assert part.logits is not None
                 job.logits = part.logits[:, -keep:] if job.logits is None else torch.cat([job.logits, part.logits[:, -keep:]], 1)
+            if attention:
+                assert part.attention_scores is not None  # [rows, heads, keep, start + end]: pad to start + n
+                missing = job.start + n - part.attention_scores.shape[-1]
+                scores.append(F.pad(part.attention_scores[:, :, -keep:], (0, missing), value=float("-inf")))
+        if scores:
+            job.attention_scores = torch.cat(scores, dim=2)
         job.done = True
         return job
 
@@ -210,7 +222,10 @@ class Scheduler:
             out = self._compiled(self.cache, batch)
         else:
             batch = build_batch(jobs, self.device, self.cache.scratch_row)
-            out = self.model.forward(self.cache, batch, attention_scores=scores)
+            if scores:
+                batch.scores = True
+                batch.score_rows, batch.score_tokens = score_selection(jobs, self.device)
+            out = self.model.forward(self.cache, batch)
         picked = []  # hidden states of the positions whose logits are wanted
         first = 0
         for job in jobs:
@@ -219,17 +234,46 @@ class Scheduler:
             picked.append(hidden[:, n - job.keep :].flatten(0, 1))
             if job.want_hidden:
                 job.hidden = hidden
-            if job.want_attention and out.attention_scores is not None:
-                job.attention_scores = out.attention_scores[first : first + count, :, :n, : job.start + n]
             for row in job.rows:
                 self.cache.lengths[row] = job.start + n
             first += count
+        if out.attention_scores is not None:  # rows of the asking jobs, in job order
+            scored = 0
+            for job in jobs:
+                if job.want_attention:
+                    count = len(job.rows)
+                    chosen = out.attention_scores[scored : scored + count]  # [rows, heads, K, L]
+                    job.attention_scores = chosen[:, :, chosen.shape[2] - job.keep :, : job.start + job.new_tokens]
+                    scored += count
         logits = self.model.logits(torch.cat(picked)).float()  # [Σ rows·keep, vocab]
         offset = 0
         for job in jobs:
             size = len(job.rows) * job.keep
             job.logits = logits[offset : offset + size].view(len(job.rows), job.keep, -1)
             offset += size
+
+
+def score_selection(
+    jobs: list[ForwardJob], device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The batch rows ([R]) and new-token offsets ([R, K], K = the widest `keep`) whose attention
+    scores the asking jobs want: each row's last `keep` tokens, left-padded with its first.
+    (None, None) when that is every row and token of the batch (a lone decode step, say)."""
+    widest = max(job.new_tokens for job in jobs)
+    if all(job.want_attention and job.keep == job.new_tokens == widest for job in jobs):
+        return None, None
+    rows: list[int] = []
+    tokens: list[list[int]] = []
+    width = max(job.keep for job in jobs if job.want_attention)
+    first = 0
+    for job in jobs:
+        if job.want_attention:
+            n, keep = job.new_tokens, job.keep
+            offsets = [n - keep] * (width - keep) + list(range(n - keep, n))
+            rows += range(first, first + len(job.rows))
+            tokens += [offsets] * len(job.rows)
+        first += len(job.rows)
+    return torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(tokens, dtype=torch.long, device=device)
 
 
 def bucket(size: int) -> int:

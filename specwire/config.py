@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specwire.security import ClientTLS, ServerTLS
+
 
 @dataclass(frozen=True)
 class TelemetryConfig:
@@ -38,12 +40,15 @@ class ModelServiceConfig:
     medusa: str | None = None  # target only: Medusa heads directory (`--medusa`)
     grace_s: float = 10.0
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    tls: ServerTLS | None = None  # None: plaintext
+    health_port: int = 0  # a plaintext health-only port for probes (0: none)
 
 
 @dataclass(frozen=True)
 class OrchestratorConfig:
     """`specwire serve orchestrator`."""
 
+    # Comma-separated host:port lists; a DNS name stands for all its addresses (headless Service).
     target: str = "127.0.0.1:50053"
     draft: str | None = "127.0.0.1:50052"
     tokenizer: str | None = None  # directory or hub id; None = the target's `tokenizer_source`
@@ -54,5 +59,11 @@ class OrchestratorConfig:
     # Target-only greedy/sampling: tokens the target may decide in one message (1 = one per trip).
     max_tokens_per_round: int = 8
     connect_timeout_s: float = 60.0
+    # How long a session lost with its replica may take to be rebuilt on another before UNAVAILABLE.
+    failover_timeout_s: float = 5.0
     grace_s: float = 10.0
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    tls: ServerTLS | None = None  # the public API; None: plaintext
+    services_tls: ClientTLS | None = None  # the hops to the model services; None: plaintext
+    auth_token_file: str | None = None  # bearer tokens the public API accepts; None: open
+    health_port: int = 0  # a plaintext health-only port for probes (0: none)

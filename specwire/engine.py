@@ -22,7 +22,10 @@ import grpc
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 
+from specwire import attention_probe
+from specwire.acceptance import accept_draft
 from specwire.batching import ForwardJob, Scheduler
+from specwire.entropy_metrics import AttentionStats, PositionMetrics, attention_stats, token_entropy
 from specwire.errors import InvalidArgument, StatusError, check_token_ids
 from specwire.lean_forward import LeanModel, lean_model
 from specwire.medusa import MedusaHeads, tree_attention, tree_depths, tree_path
@@ -42,6 +45,8 @@ from specwire.session import (
     ServerTiming,
     StepRequest,
     StepResult,
+    Verdict,
+    Verification,
 )
 from specwire.slot_cache import SLACK, SlotCache
 
@@ -237,7 +242,7 @@ class Engine:
             tokenizer_fingerprint=self._fingerprint,
             eos_token_ids=self.lm.eos_token_ids,
             max_context=self.max_tokens,
-            capabilities=["session", "propose", "branches", "tree"]
+            capabilities=["session", "propose", "branches", "tree", "verify", "entropy", "attention_stats"]
             + (["batching"] if self.batches else [])
             + (["medusa"] if self.lm.medusa is not None else []),
             role=self.role,
@@ -307,7 +312,13 @@ class SessionKV(Protocol):
 
     def reorder(self, order: list[int]) -> None: ...
 
-    def forward(self, tokens: torch.Tensor, start: int, positions: int, more: bool = False) -> torch.Tensor: ...
+    def forward(
+        self, tokens: torch.Tensor, start: int, positions: int, more: bool = False, attention: bool = False
+    ) -> tuple[torch.Tensor, AttentionStats | None]:
+        """Logits of each branch's last `positions` tokens, [branches, positions, vocab] float32,
+        and with `attention` the last layer's attention statistics of the same [branches·positions]
+        rows (`specwire.entropy_metrics`), from the same forward pass."""
+        ...
 
     def forward_tree(
         self, tokens: torch.Tensor, start: int, positions: int, parents: list[int]
@@ -342,22 +353,26 @@ class DynamicKV:
             self.cache.reorder_cache(cast(torch.LongTensor, index))
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start: int, positions: int, more: bool = False) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, start: int, positions: int, more: bool = False, attention: bool = False
+    ) -> tuple[torch.Tensor, AttentionStats | None]:
+        """Attention statistics come from a probe on the last layer's attention function."""
         if self.cache is None:
             self.cache = DynamicCache()
         device = self.lm.device
         kwargs: dict[str, Any] = {}
         if self.lm.accepts_logits_to_keep:
             kwargs["logits_to_keep"] = positions
-        out = self.lm.model(
-            input_ids=tokens[:, start:].to(device),
-            attention_mask=torch.ones(tokens.shape, dtype=torch.long, device=device),
-            past_key_values=self.cache,
-            use_cache=True,
-            **kwargs,
-        )
+        with attention_probe.capture(self.lm.model, positions if attention else 0) as probe:
+            out = self.lm.model(
+                input_ids=tokens[:, start:].to(device),
+                attention_mask=torch.ones(tokens.shape, dtype=torch.long, device=device),
+                past_key_values=self.cache,
+                use_cache=True,
+                **kwargs,
+            )
         self.cached = int(tokens.shape[1])
-        return out.logits[:, -positions:, :].float()
+        return out.logits[:, -positions:, :].float(), probe.stats if probe is not None else None
 
     @torch.inference_mode()
     def forward_tree(
@@ -473,11 +488,22 @@ class SlotKV:
         finally:
             self._leave()
 
-    def forward(self, tokens: torch.Tensor, start: int, positions: int, more: bool = False) -> torch.Tensor:
-        """`more`: the session's next forward follows at once (the scheduler waits for it)."""
-        job = self.run(ForwardJob(list(self.rows), tokens[:, start:], start, positions, more=more))
+    def forward(
+        self, tokens: torch.Tensor, start: int, positions: int, more: bool = False, attention: bool = False
+    ) -> tuple[torch.Tensor, AttentionStats | None]:
+        """`more`: the session's next forward follows at once (the scheduler waits for it).
+        `attention`: the lean forward returns this job's last-layer scores (`ForwardJob`)."""
+        job = self.run(ForwardJob(list(self.rows), tokens[:, start:], start, positions, more=more,
+                                  want_attention=attention))
         assert job.logits is not None
-        return job.logits
+        if not attention:
+            return job.logits, None
+        scores = job.attention_scores
+        assert scores is not None  # [branches, heads, positions, keys], −inf where not attended to
+        rows = scores.transpose(1, 2).flatten(0, 1)  # [branches·positions, heads, keys]
+        # The last new token attends to every slot; earlier ones are causally masked.
+        valid = None if positions == 1 else torch.isfinite(rows[:, 0])  # [branches·positions, keys]
+        return job.logits, attention_stats(rows, valid)
 
     def forward_tree(
         self, tokens: torch.Tensor, start: int, positions: int, parents: list[int]
@@ -590,12 +616,17 @@ class EngineSession:
             self._append(request.append_ids)
         if not 0 <= request.propose <= MAX_PROPOSE:
             raise InvalidArgument("propose", f"must be in [0, {MAX_PROPOSE}], got {request.propose}")
+        if request.verify is not None:
+            if request.propose:
+                raise InvalidArgument("verify", "cannot be combined with propose")
+            return self._verify(request.scoring, request.verify)
         return self._finish(
             request.scoring,
             request.propose,
             request.propose_greedy,
             request.propose_seed,
             request.propose_min_confidence,
+            request.propose_ids_only,
         )
 
     def _step_tree(self, request: StepRequest) -> StepResult:
@@ -722,12 +753,18 @@ class EngineSession:
     def _forward(self, positions: int, more: bool = False) -> torch.Tensor:
         """Logits for each branch's last `positions` tokens: [branches, positions, vocab] float32.
         `more`: another forward of this message follows right away."""
+        return self._forward_measured(positions, more, attention=False)[0]
+
+    def _forward_measured(
+        self, positions: int, more: bool, attention: bool
+    ) -> tuple[torch.Tensor, AttentionStats | None]:
+        """`_forward`, and with `attention` the positions' attention statistics from the same pass."""
         start = min(self.kv.cached, self.length - positions)
         if start < self.kv.cached:
             self.kv.crop(start)
-        logits = self.kv.forward(self.tokens, start, positions, more)
+        logits, stats = self.kv.forward(self.tokens, start, positions, more, attention)
         self.forward_calls += 1
-        return logits
+        return logits, stats
 
     def _forward_tree(self, positions: int, tree: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """One branch: logits [1, positions, vocab] and final hidden states [positions, hidden]
@@ -754,12 +791,19 @@ class EngineSession:
         if not 1 <= positions <= self.length:
             raise InvalidArgument("scoring.positions", f"must be in [1, {self.length}], got {positions}")
         score_ids = self._score_ids(scoring)  # checked before paying for a forward pass
-        medusa_ids = None
-        # One branch on a service with heads keeps the hidden states (for `tree_topk`) too.
-        keep_hidden = self.lm.medusa is not None and self.num_branches == 1 and not more
-        if scoring.medusa_top_k or tree or keep_hidden:
+        extras = scoring.extras
+        medusa_ids, attention = None, None
+        if scoring.medusa_top_k or tree:
+            if extras.attention_stats:
+                raise InvalidArgument("scoring.extras.attention_stats", "cannot be combined with Medusa tree scoring")
             if self.lm.medusa is None and scoring.medusa_top_k:
                 raise InvalidArgument("scoring.medusa_top_k", "this service has no Medusa heads (--medusa)")
+        # One branch on a service with heads keeps the hidden states (for `tree_topk`) too,
+        # unless the attention statistics need the plain forward.
+        keep_hidden = (
+            self.lm.medusa is not None and self.num_branches == 1 and not more and not extras.attention_stats
+        )
+        if scoring.medusa_top_k or tree or keep_hidden:
             if self.num_branches != 1:
                 raise InvalidArgument("scoring.medusa_top_k", "needs exactly one branch")
             if not 0 <= scoring.medusa_top_k <= self.lm.vocab_size:
@@ -774,23 +818,36 @@ class EngineSession:
                     head_logits = self.lm.medusa(hidden)  # [positions, heads, vocab]
                 medusa_ids = head_logits.topk(scoring.medusa_top_k, dim=-1).indices.to(torch.int32).cpu()
         else:
-            logits = self._forward(positions, more)  # [branches, positions, vocab]
+            logits, attention = self._forward_measured(positions, more, extras.attention_stats)  # [branches, positions, vocab]
+        metrics = None
+        if extras.wanted:  # of the raw distribution, before any processor, on the device
+            entropy, varentropy = token_entropy(logits.flatten(0, 1))  # [branches·positions] each
+            metrics = PositionMetrics(entropy, varentropy, attention)
+        scores = self._encode_scores(scoring, self._process_positions(scoring, logits, tree), score_ids)
+        scores.metrics = metrics
+        return scores, medusa_ids
+
+    def _process_positions(self, scoring: Scoring, logits: torch.Tensor, tree: list[int] | None = None) -> torch.Tensor:
+        """[branches, positions, vocab] raw logits processed for `scoring.kind`, each position
+        with its own history: [branches·positions, vocab]. With `tree` (one branch, the
+        positions are its nodes) a node's history is the committed tokens and its own path."""
+        positions = logits.shape[1]
         start = self.length - positions
         if tree and not self.processing.has_penalties:  # no history dependence: every node at once
             history = self.tokens[:, :start].expand(positions, -1).to(logits.device)
-            return self._encode(scoring, self._process(scoring, logits[0], history), score_ids), medusa_ids
+            return self._process(scoring, logits[0], history)
         per_position = []
         for j in range(positions):
-            if tree:  # a node's history is the committed tokens and its own path
+            if tree:
                 path = torch.tensor(tree_path(tree, j), dtype=torch.long) + start
                 history = torch.cat([self.tokens[:, :start], self.tokens[:, path]], dim=1)
             else:
                 history = self.tokens[:, : start + j + 1]
             per_position.append(self._process(scoring, logits[:, j], history.to(logits.device)))
-        processed = torch.stack(per_position, dim=1).flatten(0, 1)  # [branches·positions, vocab]
-        return self._encode(scoring, processed, score_ids), medusa_ids
+        return torch.stack(per_position, dim=1).flatten(0, 1)
 
-    def _encode(self, scoring: Scoring, processed: torch.Tensor, score_ids: torch.Tensor | None) -> Scores:
+    def _encode_scores(self, scoring: Scoring, processed: torch.Tensor, score_ids: torch.Tensor | None) -> Scores:
+        """What `scoring` asks for from processed [branches·positions, vocab] scores."""
         config = self.processing
         if scoring.kind == ScoreKind.ARGMAX:
             return Scores(ScoreKind.ARGMAX, argmax_ids=processed.argmax(dim=-1).to(torch.int32))
@@ -804,6 +861,59 @@ class EngineSession:
             ids = score_ids.to(torch.int32).expand(values.shape[0], -1)
             return Scores(scoring.kind, sparse_ids=ids, sparse_values=values.to(dtype))
         return _encode_top(scoring.kind, processed, scoring.top_n, dtype)
+
+    def _processed(self, scoring: Scoring, more: bool = False) -> torch.Tensor:
+        """The last `scoring.positions` positions of each branch, processed for `scoring.kind`:
+        [branches·positions, vocab]."""
+        return self._process_positions(scoring, self._forward(scoring.positions, more))
+
+    def _verify(self, scoring: Scoring, verify: Verification) -> StepResult:
+        """Speculative sampling's decision on this service's p (`specwire.acceptance`): the
+        drafts are the last γ tokens, q comes with the request, the draws from its seed."""
+        calls_before = self.forward_calls
+        draft_probs = self._draft_probs(verify.draft_probs)  # [γ, vocab] float32, on CPU
+        gamma = int(draft_probs.shape[0])
+        if self.num_branches != 1:
+            raise InvalidArgument("verify", f"needs one branch, the session has {self.num_branches}")
+        if scoring.kind != ScoreKind.PROBS or scoring.positions != gamma + 1:
+            raise InvalidArgument(
+                "verify", f"needs scoring PROBS at γ + 1 = {gamma + 1} positions, got {scoring.kind.name} at {scoring.positions}"
+            )
+        if not 1 <= scoring.positions <= self.length:
+            raise InvalidArgument("scoring.positions", f"must be in [1, {self.length}], got {scoring.positions}")
+        drafts = self.tokens[0, self.length - gamma :]  # [γ]
+        if bool((draft_probs.gather(-1, drafts.unsqueeze(-1)) <= 0).any()):
+            raise InvalidArgument("verify.draft_probs", "q of each drafted token must be > 0")
+        target_probs = self._processed(scoring).float().cpu()  # [γ+1, vocab]
+        generator = torch.Generator().manual_seed(verify.seed)
+        accepted_len, next_token = accept_draft(drafts, draft_probs, target_probs, generator)
+        return StepResult(
+            num_tokens=self.length,
+            verdict=Verdict(accepted_len, next_token),
+            timing=ServerTiming(forward_calls=self.forward_calls - calls_before),
+        )
+
+    def _draft_probs(self, scores: Scores) -> torch.Tensor:
+        """`Verify.draft_probs` as checked dense rows: [γ, vocab] float32."""
+        vocab = self.lm.vocab_size
+        ids, values, dense = scores.sparse_ids, scores.sparse_values, scores.dense
+        if dense is not None:
+            rows = dense.float()
+            if rows.dim() != 2 or rows.shape[1] != vocab:
+                raise InvalidArgument("verify.draft_probs", f"dense rows must be [γ, {vocab}], got {list(rows.shape)}")
+        elif ids is not None and values is not None:
+            if ids.dim() != 2 or ids.shape != values.shape:
+                raise InvalidArgument("verify.draft_probs", "sparse ids and values must both be [γ, k]")
+            if bool(((ids < -1) | (ids >= vocab)).any()):
+                raise InvalidArgument("verify.draft_probs", f"sparse ids must be -1 (padding) or in [0, {vocab})")
+            rows = scores.to_dense(vocab, 0.0)
+        else:
+            raise InvalidArgument("verify.draft_probs", "must carry dense rows or sparse ids and values")
+        if rows.shape[0] > MAX_PROPOSE:
+            raise InvalidArgument("verify.draft_probs", f"at most {MAX_PROPOSE} rows, got {rows.shape[0]}")
+        if not bool(torch.isfinite(rows).all()) or bool((rows < 0).any()) or bool((rows > 1).any()):
+            raise InvalidArgument("verify.draft_probs", "probabilities must be finite and in [0, 1]")
+        return rows
 
     def _score_ids(self, scoring: Scoring) -> torch.Tensor | None:
         """`scoring.score_ids` as an index, or None when every id (or the top_n) is wanted."""
@@ -861,7 +971,14 @@ class EngineSession:
         return proposed, encode_probs(probs, self.processing)
 
     def _finish(
-        self, scoring: Scoring, propose: int, greedy: bool, seed: int, min_confidence: float, tree: list[int] | None = None
+        self,
+        scoring: Scoring,
+        propose: int,
+        greedy: bool,
+        seed: int,
+        min_confidence: float,
+        ids_only: bool = False,
+        tree: list[int] | None = None,
     ) -> StepResult:
         calls_before = self.forward_calls
         scores, medusa_ids = self._score(scoring, more=propose > 0, tree=tree)
@@ -870,6 +987,8 @@ class EngineSession:
         if propose > 0:
             self._check_length(self.length + propose, "propose")
             proposed, proposal_scores = self._propose(propose, greedy, seed, min_confidence)
+            if ids_only:
+                proposal_scores = None
         if self.lm.device.type == "cuda":
             # Whoever times this call (the servicer, a LocalSession) must see the GPU work in it.
             torch.cuda.synchronize(self.lm.device)

@@ -5,7 +5,8 @@ written to, their positions (rotary or learned) and which cache slots each new t
 That one shape covers decoding (1 token), verification (γ+1), short prefills, and tree
 verification (positions = depth, `key_mask` = ancestors; Medusa). The call returns the final,
 normed hidden states of the new tokens (for the LM head, or Medusa heads) and, when asked, the
-last layer's pre-softmax attention scores (entropix's attention statistics).
+last layer's pre-softmax attention scores of chosen rows and tokens (entropix's attention
+statistics), computed for those alone: the other rows of the batch pay nothing for them.
 
 The layers are the model's own modules (projections, norms, MLPs, rotary embedding), so the
 arithmetic per token is the model's; what goes is transformers' generic per-call machinery —
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from specwire.entropy_metrics import attention_scores
 from specwire.slot_cache import CacheShape, SlotCache
 
 
@@ -37,18 +39,25 @@ class ForwardBatch:
     # scratch row), where nothing reads them before a real token overwrites them.
     contiguous_from: int | None = None  # rows are range(contiguous_from, +B): slice, don't gather
     dense: bool = False  # key_mask is all True (no mask needed)
+    # Last-layer attention scores wanted: for R batch rows × K of their new tokens (offsets in T),
+    # or, with `scores` and no selection, for every row and token of the batch.
+    scores: bool = False
+    score_rows: torch.Tensor | None = None  # [R] long, indices into the batch
+    score_tokens: torch.Tensor | None = None  # [R, K] long
 
 
 @dataclass
 class ForwardOutput:
     hidden: torch.Tensor  # [B, T, hidden]: final-normed hidden states of the new tokens
-    attention_scores: torch.Tensor | None = None  # [B, heads, T, L]: last layer, pre-softmax, masked -inf
+    # [R, heads, K, L] float32: the last layer's pre-softmax scores of `score_rows` × `score_tokens`,
+    # −inf at the slots a token does not attend to.
+    attention_scores: torch.Tensor | None = None
 
 
 class LeanModel(Protocol):
     def cache_shape(self, rows: int, max_len: int) -> CacheShape: ...
 
-    def forward(self, cache: SlotCache, batch: ForwardBatch, attention_scores: bool = False) -> ForwardOutput: ...
+    def forward(self, cache: SlotCache, batch: ForwardBatch) -> ForwardOutput: ...
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
@@ -78,11 +87,24 @@ def _attend(
     mask = None if batch.dense else batch.key_mask.unsqueeze(1)  # [B, 1, T, L]
     gqa = query.shape[1] != keys.shape[1]
     if scores_out is not None:
-        groups = query.shape[1] // keys.shape[1]
-        scores = query @ keys.repeat_interleave(groups, dim=1).transpose(-1, -2) * scaling  # [B, Hq, T, L]
-        scores_out.append(scores.masked_fill(~batch.key_mask.unsqueeze(1), float("-inf")))
+        scores_out.append(_chosen_scores(query, keys, batch, scaling))
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).flatten(2)  # [B, T, Hq·D]
+
+
+def _chosen_scores(query: torch.Tensor, keys: torch.Tensor, batch: ForwardBatch, scaling: float) -> torch.Tensor:
+    """q·kᵀ·scaling of the batch's chosen rows and tokens only, masked: [R, Hq, K, L] float32.
+    query: [B, Hq, T, D]; keys: [B, Hkv, L, D]."""
+    if batch.score_rows is None or batch.score_tokens is None:  # every row and token (R = B, K = T)
+        scores = attention_scores(query, keys, scaling)
+        return scores if batch.dense else scores.masked_fill(~batch.key_mask.unsqueeze(1), float("-inf"))
+    rows, tokens = batch.score_rows, batch.score_tokens  # [R], [R, K]
+    R, K = tokens.shape
+    chosen = query.index_select(0, rows)  # [R, Hq, T, D]
+    chosen = chosen.gather(2, tokens[:, None, :, None].expand(R, chosen.shape[1], K, chosen.shape[3]))  # [R, Hq, K, D]
+    scores = attention_scores(chosen, keys.index_select(0, rows), scaling)  # [R, Hq, K, L]
+    mask = batch.key_mask.index_select(0, rows).gather(1, tokens[:, :, None].expand(R, K, keys.shape[2]))  # [R, K, L]
+    return scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
 
 
 class LlamaLike:
@@ -105,7 +127,7 @@ class LlamaLike:
     def cache_shape(self, rows: int, max_len: int) -> CacheShape:
         return CacheShape(len(self.layers), self.kv_heads, self.head_dim, rows, max_len, self.dtype)
 
-    def forward(self, cache: SlotCache, batch: ForwardBatch, attention_scores: bool = False) -> ForwardOutput:
+    def forward(self, cache: SlotCache, batch: ForwardBatch) -> ForwardOutput:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         hidden = self.embed(batch.input_ids)  # [B, T, E]
@@ -120,7 +142,7 @@ class LlamaLike:
             k = attn.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
             v = attn.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            wanted = scores if attention_scores and index == last else None
+            wanted = scores if batch.scores and index == last else None
             out = _attend(q, cache, index, k, v, batch, attn.scaling, wanted)
             hidden = hidden + attn.o_proj(out)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
@@ -149,7 +171,7 @@ class GPT2Like:
     def cache_shape(self, rows: int, max_len: int) -> CacheShape:
         return CacheShape(len(self.blocks), self.heads, self.head_dim, rows, max_len, self.dtype)
 
-    def forward(self, cache: SlotCache, batch: ForwardBatch, attention_scores: bool = False) -> ForwardOutput:
+    def forward(self, cache: SlotCache, batch: ForwardBatch) -> ForwardOutput:
         hidden = self.wte(batch.input_ids) + self.wpe(batch.positions)  # [B, T, E]
         B, T = batch.input_ids.shape
         scores: list[torch.Tensor] = []
@@ -158,7 +180,7 @@ class GPT2Like:
             attn = block.attn
             q, k, v = attn.c_attn(block.ln_1(hidden)).split(attn.split_size, dim=2)
             q, k, v = (t.view(B, T, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-            wanted = scores if attention_scores and index == last else None
+            wanted = scores if batch.scores and index == last else None
             out = _attend(q, cache, index, k, v, batch, attn.scaling, wanted)
             hidden = hidden + attn.c_proj(out)
             hidden = hidden + block.mlp(block.ln_2(hidden))

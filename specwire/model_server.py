@@ -60,7 +60,9 @@ async def run(config: ModelServiceConfig, build_backend: BackendFactory) -> None
     def register(server: grpc.aio.Server) -> None:
         model_pb2_grpc.add_ModelServiceServicer_to_server(servicer, server)
 
-    running = await serving.start_server(register, [SERVICE_NAME], config.host, config.port)
+    running = await serving.start_server(
+        register, [SERVICE_NAME], config.host, config.port, tls=config.tls, health_port=config.health_port
+    )
 
     async def ready() -> None:
         backend = await asyncio.to_thread(build_backend, config)

@@ -19,6 +19,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specwire.security import ServerTLS
+
 log = logging.getLogger("specwire")
 
 # Messages carry dense distributions (vocab × positions × 4 bytes); 64 MiB covers a 256k vocab
@@ -116,6 +118,9 @@ class RunningServer:
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
+    # A plaintext port with the health service only, for probes that cannot speak TLS (kubelet).
+    health_server: grpc.aio.Server | None = None
+    health_port: int = 0
 
 
 async def start_server(
@@ -124,21 +129,38 @@ async def start_server(
     host: str,
     port: int,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    tls: ServerTLS | None = None,
+    health_port: int = 0,
 ) -> RunningServer:
-    """Bind, register the services plus health and reflection, start. Health starts NOT_SERVING."""
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[MalformedRequestInterceptor(), *interceptors])
+    """Bind, register the services plus health and reflection, start. Health starts NOT_SERVING.
+    With `tls`, the port speaks only TLS (mutual TLS when `tls.client_ca` is set); `health_port`
+    (0: none) also serves the health service alone, in plaintext, for probes.
+
+    `interceptors` run first, in order, on the call's metadata alone (token auth refuses before
+    the request is parsed); the malformed-bytes check runs last, just before the servicer."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*interceptors, MalformedRequestInterceptor()])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names) + [health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", tls.credentials())
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     await server.start()
+    health_server = None
+    if health_port:
+        health_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[MalformedRequestInterceptor()])
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        if health_server.add_insecure_port(f"{host}:{health_port}") == 0:
+            raise OSError(f"could not bind the health port {host}:{health_port}")
+        await health_server.start()
     for name in ("", *service_names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    return RunningServer(server, bound, health_servicer)
+    return RunningServer(server, bound, health_servicer, health_server, health_port if health_server else 0)
 
 
 async def mark_serving(running: RunningServer, service_names: Sequence[str]) -> None:
@@ -150,6 +172,8 @@ async def drain(running: RunningServer, grace: float) -> None:
     """Stop taking new calls, let running ones finish within `grace` seconds."""
     await running.health.enter_graceful_shutdown()
     await running.server.stop(grace)
+    if running.health_server is not None:
+        await running.health_server.stop(0)
 
 
 async def serve_until_signalled(
@@ -159,14 +183,18 @@ async def serve_until_signalled(
     label: str,
     host: str,
     grace: float = 10.0,
+    on_serving: Callable[[], None] | None = None,
 ) -> None:
-    """Run `ready` (load + warm up), report SERVING, and serve until SIGTERM/SIGINT."""
+    """Run `ready` (load + warm up), report SERVING, and serve until SIGTERM/SIGINT.
+    `on_serving` runs once SERVING is set (the orchestrator makes its health follow the services')."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await ready()
     await mark_serving(running, service_names)
+    if on_serving is not None:
+        on_serving()
     # One parseable line: `specwire up` and the tests wait for it.
     print(f"READY {label} {host}:{running.port}", flush=True)
     await stop.wait()

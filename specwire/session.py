@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from specwire.entropy_metrics import PositionMetrics
 from specwire.processing import ProcessingConfig
 from specwire.slot_cache import CacheUsage
 
@@ -30,6 +31,19 @@ class ScoreKind(enum.IntEnum):
 
 
 @dataclass(frozen=True)
+class Extras:
+    """Per-position uncertainty metrics to return with the scores (`specwire.entropy_metrics`)."""
+
+    entropy: bool = False
+    varentropy: bool = False
+    attention_stats: bool = False
+
+    @property
+    def wanted(self) -> bool:
+        return self.entropy or self.varentropy or self.attention_stats
+
+
+@dataclass(frozen=True)
 class Scoring:
     """What to return for the last `positions` tokens of each branch."""
 
@@ -41,6 +55,7 @@ class Scoring:
     score_ids: tuple[int, ...] = ()
     # Medusa: each head's top `medusa_top_k` ids at every scored position too (0 = none).
     medusa_top_k: int = 0
+    extras: Extras = field(default_factory=Extras)
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,24 @@ class OpenRequest:
     num_branches: int = 1
     scoring: Scoring = field(default_factory=Scoring)
     trace: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class Verification:
+    """Speculative sampling decided where p is: the step's last `rows` appended tokens are the
+    drafts, `draft_probs` their q (one row each, sparse is enough), `seed` the orchestrator's
+    seed for the acceptance draws. The step must score PROBS at rows + 1 positions."""
+
+    draft_probs: Scores  # [γ, k] sparse (or [γ, vocab] dense) rows of the draft's distribution
+    seed: int
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What verification decided: the drafts accepted, then the correction or bonus token."""
+
+    accepted_len: int
+    next_token: int
 
 
 @dataclass(frozen=True)
@@ -65,6 +98,8 @@ class StepRequest:
     tree_parents: list[int] = field(default_factory=list)
     tree_keep: list[int] = field(default_factory=list)  # the previous tree's kept root-to-node path
     tree_topk: list[int] = field(default_factory=list)  # Medusa heads applied here: node i+1's top-k index
+    verify: Verification | None = None
+    propose_ids_only: bool = False  # no proposal_scores in the result
     trace: dict[str, str] | None = None
 
 
@@ -77,6 +112,7 @@ class Scores:
     dense: torch.Tensor | None = None  # [rows, vocab]
     sparse_ids: torch.Tensor | None = None  # [rows, k] int, -1 = padding
     sparse_values: torch.Tensor | None = None  # [rows, k]
+    metrics: PositionMetrics | None = None  # when `Scoring.extras` asked for them
 
     @property
     def rows(self) -> int:
@@ -111,6 +147,7 @@ class StepResult:
     proposed_ids: torch.Tensor | None = None  # [branches, n]
     proposal_scores: Scores | None = None
     num_tokens: int = 0
+    verdict: Verdict | None = None  # a step with `verify`: its decision, in place of scores
     timing: ServerTiming = field(default_factory=ServerTiming)
     medusa_ids: torch.Tensor | None = None  # [rows, heads, medusa_top_k]
     tree_ids: torch.Tensor | None = None  # [n] the nodes the service built (`tree_topk`)

@@ -11,8 +11,11 @@ from typing import cast
 
 import torch
 
+from specwire.entropy_metrics import AttentionStats, PositionMetrics
+from specwire.errors import InvalidArgument
 from specwire.processing import ProcessingConfig
 from specwire.session import (
+    Extras,
     ModelInfo,
     OpenRequest,
     ScoreKind,
@@ -21,6 +24,8 @@ from specwire.session import (
     ServerTiming,
     StepRequest,
     StepResult,
+    Verdict,
+    Verification,
 )
 from specwire.slot_cache import CacheUsage
 from specwire.v1 import common_pb2, model_pb2
@@ -71,11 +76,40 @@ def _optional_tensor(message: model_pb2.Scores, name: str) -> torch.Tensor | Non
     return tensor_from_pb(getattr(message, name)) if message.HasField(name) else None
 
 
+def _metrics_tensors(metrics: PositionMetrics) -> dict[str, torch.Tensor]:
+    """The `Scores` extras fields by name, each [rows] float32."""
+    tensors = {"entropy": metrics.entropy, "varentropy": metrics.varentropy}
+    if metrics.attention is not None:
+        attention = metrics.attention
+        tensors["attention_entropy"] = attention.entropy
+        tensors["attention_varentropy"] = attention.varentropy
+        tensors["agreement"] = attention.agreement
+        tensors["interaction_strength"] = attention.interaction_strength
+    return {name: tensor.float() for name, tensor in tensors.items()}
+
+
+def _metrics_from_pb(message: model_pb2.Scores) -> PositionMetrics | None:
+    if not message.HasField("entropy"):
+        return None
+    attention = None
+    if message.HasField("attention_entropy"):
+        attention = AttentionStats(
+            entropy=tensor_from_pb(message.attention_entropy),
+            varentropy=tensor_from_pb(message.attention_varentropy),
+            agreement=tensor_from_pb(message.agreement),
+            interaction_strength=tensor_from_pb(message.interaction_strength),
+        )
+    return PositionMetrics(tensor_from_pb(message.entropy), tensor_from_pb(message.varentropy), attention)
+
+
 def scores_to_pb(scores: Scores) -> model_pb2.Scores:
     message = model_pb2.Scores(kind=cast(model_pb2.ScoreKind, int(scores.kind)))
     for name in ("argmax_ids", "dense", "sparse_ids", "sparse_values"):
         tensor = getattr(scores, name)
         if tensor is not None:
+            getattr(message, name).CopyFrom(tensor_to_pb(tensor))
+    if scores.metrics is not None:
+        for name, tensor in _metrics_tensors(scores.metrics).items():
             getattr(message, name).CopyFrom(tensor_to_pb(tensor))
     return message
 
@@ -87,6 +121,7 @@ def scores_from_pb(message: model_pb2.Scores) -> Scores:
         dense=_optional_tensor(message, "dense"),
         sparse_ids=_optional_tensor(message, "sparse_ids"),
         sparse_values=_optional_tensor(message, "sparse_values"),
+        metrics=_metrics_from_pb(message),
     )
 
 
@@ -122,6 +157,11 @@ def scoring_to_pb(scoring: Scoring) -> model_pb2.Scoring:
         logits_dtype=scoring.logits_dtype,
         score_ids=scoring.score_ids,
         medusa_top_k=scoring.medusa_top_k,
+        extras=model_pb2.ExtraOutputs(
+            entropy=scoring.extras.entropy,
+            varentropy=scoring.extras.varentropy,
+            attention_stats=scoring.extras.attention_stats,
+        ),
     )
 
 
@@ -133,6 +173,7 @@ def scoring_from_pb(message: model_pb2.Scoring) -> Scoring:
         logits_dtype=message.logits_dtype or "float32",
         score_ids=tuple(message.score_ids),
         medusa_top_k=message.medusa_top_k,
+        extras=Extras(message.extras.entropy, message.extras.varentropy, message.extras.attention_stats),
     )
 
 
@@ -176,10 +217,14 @@ def step_to_pb(request: StepRequest) -> model_pb2.SessionRequest:
         tree_parents=request.tree_parents,
         tree_keep=request.tree_keep,
         tree_topk=request.tree_topk,
+        propose_ids_only=request.propose_ids_only,
         trace=_trace_to_pb(request.trace),
     )
     if request.keep_tokens is not None:
         message.keep_tokens = request.keep_tokens
+    if request.verify is not None:
+        message.verify.draft_probs.CopyFrom(scores_to_pb(request.verify.draft_probs))
+        message.verify.seed = request.verify.seed
     return model_pb2.SessionRequest(step=message)
 
 
@@ -206,8 +251,18 @@ def step_from_pb(message: model_pb2.Step) -> StepRequest:
         tree_parents=list(message.tree_parents),
         tree_keep=list(message.tree_keep),
         tree_topk=list(message.tree_topk),
+        verify=_verification_from_pb(message.verify) if message.HasField("verify") else None,
+        propose_ids_only=message.propose_ids_only,
         trace=_trace_from_pb(message.trace),
     )
+
+
+def _verification_from_pb(message: model_pb2.Verify) -> Verification:
+    try:
+        draft_probs = scores_from_pb(message.draft_probs)
+    except ValueError as error:  # a malformed tensor or an unknown kind
+        raise InvalidArgument("verify.draft_probs", str(error)) from None
+    return Verification(draft_probs, message.seed)
 
 
 def result_to_pb(result: StepResult) -> model_pb2.SessionReply:
@@ -229,6 +284,9 @@ def result_to_pb(result: StepResult) -> model_pb2.SessionReply:
         reply.medusa_ids.CopyFrom(tensor_to_pb(result.medusa_ids.to(torch.int32)))
     if result.tree_ids is not None:
         reply.tree_ids.CopyFrom(tensor_to_pb(result.tree_ids.to(torch.int32)))
+    if result.verdict is not None:
+        reply.verdict.accepted_length = result.verdict.accepted_len
+        reply.verdict.next_token = result.verdict.next_token
     return reply
 
 
@@ -240,6 +298,9 @@ def result_from_pb(reply: model_pb2.SessionReply) -> StepResult:
         num_tokens=reply.num_tokens,
         medusa_ids=tensor_from_pb(reply.medusa_ids) if reply.HasField("medusa_ids") else None,
         tree_ids=tensor_from_pb(reply.tree_ids) if reply.HasField("tree_ids") else None,
+        verdict=(
+            Verdict(reply.verdict.accepted_length, reply.verdict.next_token) if reply.HasField("verdict") else None
+        ),
         timing=ServerTiming(
             queue_us=reply.timing.queue_us,
             compute_us=reply.timing.compute_us,

@@ -15,11 +15,11 @@ import grpc
 import pytest
 import torch
 from specwire.client import Client
-from specwire.client.sdk import GenerationError, build_request
+from specwire.client.sdk import GenerateResult, GenerationError, build_request
 from specwire.orchestrator.generation import Decoder
 from specwire.orchestrator.models import LocalModel
 
-from specwire.batching import ForwardJob
+from specwire.batching import ForwardJob, score_selection
 from specwire.engine import CausalLM, Engine, EngineLimits, SlotKV
 from specwire.errors import ResourceExhausted
 from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
@@ -72,7 +72,7 @@ def test_qwen2_greedy_and_beam_equal_transformers(qwen2_dir: Path, tokenizer: An
 
 def _hf_reference(model: Any, prompt_ids: list[int], kwargs: dict[str, Any]) -> list[int] | None:
     """transformers' tokens for the greedy-equivalent strategies; None where it has no equal."""
-    if kwargs["strategy"] == "contrastive":
+    if kwargs["strategy"] in ("contrastive", "entropix"):
         return None
     beams = {"num_beams": kwargs["num_beams"]} if kwargs["strategy"] == "beam" else {}
     penalty = {"repetition_penalty": kwargs["repetition_penalty"]} if "repetition_penalty" in kwargs else {}
@@ -87,9 +87,10 @@ def _hf_reference(model: Any, prompt_ids: list[int], kwargs: dict[str, Any]) -> 
 def test_concurrent_sessions_equal_their_solo_runs_and_transformers(
     llama_stack: Stack, llama_target_dir: Path, tokenizer: Any
 ) -> None:
-    """Eight interleaved generations of four strategies and different prompt lengths, plus
-    streams cut off by random deadlines: each output equals its solo run and transformers;
-    the forwards were shared; every row is free afterwards."""
+    """Ten interleaved generations of five strategies and different prompt lengths, plus
+    streams cut off by random deadlines: each output equals its solo run and transformers (and
+    entropix's decision trace, whose attention statistics come from the shared forwards, its
+    solo trace); the forwards were shared; every row is free afterwards."""
     prompts = ["def add(a, b):", "for i in range(10):\n    print(i * i)\n", "the", "import os\nimport sys\n"]
     jobs: list[tuple[str, dict[str, Any]]] = [
         (prompts[0], {"strategy": "greedy"}),
@@ -100,16 +101,19 @@ def test_concurrent_sessions_equal_their_solo_runs_and_transformers(
         (prompts[2], {"strategy": "greedy"}),
         (prompts[3], {"strategy": "beam", "num_beams": 2}),
         (prompts[0], {"strategy": "speculative", "num_speculative_tokens": 5}),
+        (prompts[1], {"strategy": "entropix", "seed": 3}),
+        (prompts[2], {"strategy": "entropix", "seed": 4, "num_speculative_tokens": 3}),
     ]
     for _, kwargs in jobs:
         kwargs.update(max_new_tokens=24, ignore_eos=True)
     client = Client(llama_stack.address)
 
-    def run(job: tuple[str, dict[str, Any]]) -> list[int]:
+    def run(job: tuple[str, dict[str, Any]]) -> GenerateResult:
         prompt, kwargs = job
-        return list(client.generate(input_ids=tokenizer(prompt).input_ids, **kwargs).token_ids)
+        return client.generate(input_ids=tokenizer(prompt).input_ids, **kwargs)
 
-    solo = [run(job) for job in jobs]
+    solo_results = [run(job) for job in jobs]
+    solo = [result.token_ids for result in solo_results]
     reference = hf_model(llama_target_dir)
     for (prompt, kwargs), tokens in zip(jobs, solo, strict=True):
         expected = _hf_reference(reference, tokenizer(prompt).input_ids, kwargs)
@@ -130,10 +134,18 @@ def test_concurrent_sessions_equal_their_solo_runs_and_transformers(
 
     with ThreadPoolExecutor(max_workers=len(jobs) + 3) as pool:
         cancelled = [pool.submit(cut_off, i) for i in range(3)]
-        together = list(pool.map(run, jobs))
+        together_results = list(pool.map(run, jobs))
         for future in cancelled:
             future.result()
-    assert together == solo
+    assert [result.token_ids for result in together_results] == solo
+    for alone, shared in zip(solo_results, together_results, strict=True):
+        assert len(alone.decisions) == len(shared.decisions)
+        for a, b in zip(alone.decisions, shared.decisions, strict=True):
+            assert a.state == b.state and (a.top_k, a.clarified) == (b.top_k, b.clarified)
+            for name in ("entropy", "varentropy", "attn_entropy", "attn_varentropy", "agreement", "interaction_strength",
+                         "temperature", "top_p", "min_p"):
+                assert getattr(b, name) == pytest.approx(getattr(a, name), rel=1e-5, abs=1e-5), name
+    assert sum(len(result.decisions) for result in together_results) == 48  # the two entropix runs
     assert backend.scheduler.stats.max_rows > 1  # the sessions did share forwards
     deadline = time.monotonic() + 10
     while backend.cache.usage().rows_in_use and time.monotonic() < deadline:
@@ -201,10 +213,34 @@ def test_attention_scores_hook_returns_the_last_layers_scores(llama_target_dir: 
     kv = lean.new_session().kv
     assert isinstance(kv, SlotKV)
     kv.open(1)
-    job = kv.run(ForwardJob([], torch.tensor([[5, 17, 42]]), 0, 1, want_attention=True))
+    job = kv.run(ForwardJob([], torch.tensor([[5, 17, 42]]), 0, 3, want_attention=True))
     scores = job.attention_scores
-    assert scores is not None and scores.shape == (1, 4, 3, 3)  # [rows, heads, new, slots]
+    assert scores is not None and scores.shape == (1, 4, 3, 3)  # [rows, heads, keep, slots]
     assert torch.isinf(scores[0, :, 0, 1:]).all() and torch.isfinite(scores[0, :, 2]).all()  # causal
+    last = kv.run(ForwardJob([], torch.tensor([[5, 17, 42]]), 0, 1, want_attention=True)).attention_scores
+    assert last is not None and last.shape == (1, 4, 1, 3)  # the kept tokens' scores only
+    torch.testing.assert_close(last[0, :, 0], scores[0, :, 2])
+
+
+def test_attention_scores_are_computed_for_the_asking_rows_only(llama_target_dir: Path) -> None:
+    """One forward over a session that asks for scores (entropix) and one that does not: only the
+    asking job's rows and kept tokens are scored, and they equal that job's solo scores."""
+    lean = engine(llama_target_dir, max_batch_rows=4, max_cache_len=64)
+    assert lean.scheduler is not None
+    asking, other = lean.new_session().kv, lean.new_session().kv
+    assert isinstance(asking, SlotKV) and isinstance(other, SlotKV)
+    asking.open(1)
+    other.open(2)
+    solo = asking.run(ForwardJob([], torch.tensor([[5, 17, 42]]), 0, 2, want_attention=True)).attention_scores
+    wants = ForwardJob(list(asking.rows), torch.tensor([[5, 17, 42]]), 0, 2, want_attention=True)
+    plain = ForwardJob(list(other.rows), torch.tensor([[9, 8, 7, 6], [1, 2, 3, 4]]), 0, 1)
+    rows, tokens = score_selection([plain, wants], torch.device("cpu"))
+    assert rows is not None and tokens is not None
+    assert rows.tolist() == [2] and tokens.tolist() == [[1, 2]]  # the asking row, its 2 kept tokens
+    lean.scheduler._forward([plain, wants])
+    assert plain.attention_scores is None and wants.attention_scores is not None and solo is not None
+    assert wants.attention_scores.shape == (1, 4, 2, 3)
+    torch.testing.assert_close(wants.attention_scores, solo, atol=1e-5, rtol=1e-5)
 
 
 def test_cache_use_is_reported_in_info_and_metrics(llama_target_dir: Path) -> None:

@@ -127,10 +127,15 @@ def test_bench_figures_are_consistent(bench_report: dict[str, Any]) -> None:
     best = rows["hf_target"]["best_hf_assisted_row"]
     assert rows[best]["ratio_vs_hf_assisted"] == pytest.approx(1.0)
     assert rows["hf_target"]["tokens_per_target_forward"] == pytest.approx(1.0)
-    # Greedy everywhere but the sampled Medusa rows: every engine produces the target's greedy tokens.
+    # Greedy everywhere but the sampled rows: every engine produces the target's own greedy tokens.
     for row in rows.values():
-        if row["name"] not in ("specwire_medusa_lossless", "specwire_medusa_typical"):
-            assert row["matches_hf_target"] == 1.0, row["name"]
+        if row["name"] == "specwire_speculative_sampled":
+            continue
+        sampled = row["group"] in ("specwire_sampled", "specwire_medusa_sampled")
+        assert row["matches_hf_target"] == (None if sampled else 1.0), row["name"]
+    assert rows["specwire_speculative_sampled"]["bytes_per_round"] > 0
+    cost = bench_report["metadata"]["entropix_metrics_cost"]
+    assert cost["step_ms"] > 0 and cost["step_with_metrics_ms"] > 0
     medusa = rows["specwire_medusa"]
     assert 0.0 <= medusa["acceptance_rate"] <= 1.0 and medusa["tokens_per_target_forward"] >= 1.0
     assert medusa["predicted_speedup"] is None  # the chain model does not describe a tree
@@ -146,6 +151,8 @@ def test_bench_figures_are_consistent(bench_report: dict[str, Any]) -> None:
     assert spec["efficiency"] == pytest.approx(spec["measured_speedup"] / spec["predicted_speedup"])
     assert spec["bytes_per_round"] > 0 and spec["overhead_ms_per_round"] >= 0
     assert rows["specwire_greedy"]["bytes_per_round"] > 0
+    assert rows["specwire_speculative_sequential"]["pipelined_round_share"] == 0.0
+    assert rows["specwire_speculative_sequential"]["speculation_off_rounds_per_generation"] == 0.0
     for name in ("specwire_speculative", "specwire_speculative_ngram", "specwire_greedy"):
         row = rows[name]
         assert row["ratio_vs_hf_target"] == pytest.approx(row["tokens_per_s"] / rows["hf_target"]["tokens_per_s"])
@@ -163,6 +170,14 @@ def test_bench_markdown_and_cli_output(bench_report: dict[str, Any], tmp_path: P
     assert bench.run(args) == 0
     assert json.loads(out.read_text())["rows"][0]["name"] == "hf_target"
     assert "| hf_target |" in capsys.readouterr().out
+
+
+def test_bench_rtt_flag_reaches_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers(dest="command"))
+    assert bench.config_from_args(parser.parse_args(["bench", "--rtt-ms", "10"])).rtt_ms == 10.0
+    with pytest.raises(SystemExit, match="--rtt-ms"):
+        bench.config_from_args(parser.parse_args(["bench", "--rtt-ms", "-1"]))
 
 
 def test_bench_reports_a_failing_row_instead_of_crashing() -> None:
@@ -197,17 +212,21 @@ def test_experiment_writes_csv_and_plots_through_delay_proxies(
     summary = experiment.run_experiment(config)
     with (config.out_dir / "results.csv").open() as handle:
         rows = list(csv.DictReader(handle))
-    assert [(r["strategy"], r["gamma"]) for r in rows] == [("greedy", ""), ("speculative", "1"), ("speculative", "2")]
+    assert [(r["strategy"], r["gamma"]) for r in rows] == [
+        ("greedy", ""), ("speculative", "1"), ("speculative", "2"), ("auto", "")
+    ]
     for row in rows:
         assert float(row["tokens_per_s"]) > 0 and int(row["new_tokens"]) == 6
         assert float(row["matches_greedy"]) == 1.0
-        # Greedy visits the target once a round, speculative both services: RTT each time.
-        trips = 1 if row["strategy"] == "greedy" else 2
+        # Sequential speculative rounds visit both services, one after the other: RTT each time;
+        # greedy visits the target alone, and so do auto γ's pipelined and target-only rounds.
+        trips = 2 if row["strategy"] == "speculative" else 1
         assert float(row["network_ms_per_round"]) >= 0.8 * trips * rtt
         if row["strategy"] == "speculative":
             assert float(row["t_d_ms"]) > 0 and float(row["t_v_ms"]) > 0 and row["predicted_tokens_per_s"]
     best = summary["best_gamma"][0]
     assert best["gamma_best_measured"] in (1, 2) and 1 <= best["gamma_star_model"] <= config.max_gamma
+    assert best["auto_vs_best_fixed"] > 0
     for name in ("tokens_per_s_vs_rtt.png", "best_gamma.png", "round_breakdown.png", "best_gamma.csv", "summary.json"):
         assert (config.out_dir / name).stat().st_size > 0
     assert math.isfinite(summary["alpha_pooled"])

@@ -52,6 +52,18 @@ def test_unknown_strategy_is_refused_by_the_parser() -> None:
     assert run.returncode == 2 and "invalid choice: 'nucleus'" in run.stderr and "Traceback" not in run.stderr
 
 
+def test_generate_entropix_json_trace_and_plot(llama_stack: Stack, tmp_path: Path) -> None:
+    plot = tmp_path / "states.png"
+    run = specwire("generate", "--address", llama_stack.address, "--input-ids", "5,6,7", "--max-new-tokens", "5",
+                   "--ignore-eos", "--strategy", "entropix", "--seed", "3", "--entropix", "adaptive_samples=3",
+                   "--json", "--plot", str(plot))
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert len(out["decisions"]) == 5 and {"state", "entropy", "top_k", "min_p"} <= set(out["decisions"][0])
+    assert sum(out["stats"]["entropix_states"].values()) == 5
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_generate_error_prints_status_and_message_without_traceback(llama_stack: Stack) -> None:
     run = specwire("generate", "--address", llama_stack.address, "--prompt", "x", "--top-p", "1.5")
     assert run.returncode != 0

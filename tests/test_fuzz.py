@@ -45,8 +45,11 @@ PROMPT, PROMPT_IDS, STOP = "prompt", "input_ids", "stop_strings"
 # have goes out as a number no build knows, as another client could send.
 CHOICE_VALUES = {"strategy": STRATEGY_VALUES, "early_stopping": EARLY_STOPPING_VALUES, "cd_form": CD_FORM_VALUES}
 UNKNOWN_ENUM_NUMBERS = (99, 2**31 - 1, -1)
-STRATEGIES = ("greedy", "sample", "beam", "speculative", "contrastive")
+STRATEGIES = ("greedy", "sample", "beam", "speculative", "contrastive", "entropix")
 WARPERS = ("temperature", "top_k", "top_p", "min_p")
+ENTROPIX = "entropix"  # the EntropixParams message field
+ENTROPIX_FIELDS = tuple(f.name for f in orchestrator_pb2.EntropixParams.DESCRIPTOR.fields)
+ENTROPIX_INTS = {f.name for f in orchestrator_pb2.EntropixParams.DESCRIPTOR.fields if f.type == f.TYPE_INT32}
 PROMPTS = ("def add(a, b):", "import os", "for i in range(10):", "the quick brown fox", "class Point:\n    ")
 
 
@@ -60,8 +63,19 @@ def set_field(request: orchestrator_pb2.GenerateRequest, name: str, value: Any) 
         setattr(request, name, number)
     elif name == STOP:
         getattr(request, STOP).extend(value)
+    elif name == ENTROPIX:
+        for key, number in value.items():
+            setattr(request.entropix, key, number)
     else:
         setattr(request, name, value)
+
+
+def reproducible(fields: dict[str, Any]) -> bool:
+    """Whether two runs of a request must give the same tokens: not a sampled speculative one at
+    auto γ, whose rounds follow measured timings (the seed fixes the draws, not the γ sequence)."""
+    sampled = any(name in fields for name in WARPERS)
+    auto = not fields.get("num_speculative_tokens")
+    return not (fields["strategy"] == "speculative" and sampled and auto)
 
 
 @dataclass
@@ -94,9 +108,26 @@ class Generator:
     def positive(self) -> float:
         return self.rng.choice([self.tiny(), self.huge(), self.rng.uniform(0.05, 5.0)])
 
-    def in_bounds(self) -> dict[str, Any]:
+    def entropix_value(self, name: str) -> float:
+        """An in-bounds value of one EntropixParams field (bounds: `orchestrator.entropix`)."""
         r = self.rng
-        strategy = r.choice(STRATEGIES)
+        if name == "clarifying_token":
+            return r.choice([-1, 0, VOCAB - 1])
+        if name == "adaptive_samples":
+            return r.choice([1, 5, 64])
+        if name in ENTROPIX_INTS:  # the top-k bounds
+            return r.choice([1, 27, 1024])
+        if name == "resample_min_top_p":
+            return r.choice([1e-45, 0.5, 1.0])
+        if name == "adaptive_min_p":
+            return r.choice([0.0, 0.03, 1.0])
+        if name.endswith(("max_temperature", "min_temperature")):
+            return r.choice([self.tiny(), 1.5, self.huge()])
+        return r.choice([0.0, self.tiny(), r.uniform(0.0, 6.0), self.huge()])
+
+    def in_bounds(self, strategy: str = "") -> dict[str, Any]:
+        r = self.rng
+        strategy = strategy or r.choice(STRATEGIES)
         fields: dict[str, Any] = {"strategy": strategy, "max_new_tokens": r.randint(1, 6), "seed": r.randrange(2**32)}
         if r.random() < 0.7:
             fields[PROMPT] = r.choice(PROMPTS)
@@ -125,8 +156,22 @@ class Generator:
                     }[name]
             if r.random() < 0.3:
                 fields[STOP] = ["".join(r.choice("eo( .:\n") for _ in range(r.randint(1, 3))) for _ in range(r.randint(1, 3))]
+        if strategy == "entropix":  # base warpers: T > 0 and top-k ≥ 1
+            if fields.get("temperature") == 0.0:
+                fields["temperature"] = self.tiny()
+            if fields.get("top_k") == 0:
+                fields["top_k"] = 1
+            names = r.sample(ENTROPIX_FIELDS, r.randint(0, 6))
+            fields[ENTROPIX] = {name: self.entropix_value(name) for name in names}
+            if r.random() < 0.3:
+                fields["num_speculative_tokens"] = r.choice([1, 4, 64])  # verified from the draft
         if strategy == "speculative":
-            fields["num_speculative_tokens"] = r.choice([1, 4, 64])
+            gamma = r.choice([None, 0, 1, 4, 64])  # None (unset) and 0 mean auto
+            if gamma is not None:
+                fields["num_speculative_tokens"] = gamma
+            pipeline = r.choice([None, True, False])
+            if pipeline is not None:
+                fields["speculative_pipeline"] = pipeline
             if r.random() < 0.3:
                 fields["draft_confidence_threshold"] = r.choice([0.0, 0.5, 0.999])
         if strategy == "contrastive":
@@ -151,7 +196,7 @@ class Generator:
             "no_repeat_ngram_size": lambda: r.choice([-1, -(2**31)]),
             "length_penalty": lambda: r.choice([20.5, -21.0, 400.0, 1e38, nan, inf]),
             "early_stopping": lambda: r.choice(["sometimes", "yes", long_text]),
-            "num_speculative_tokens": lambda: r.choice([0, -3, 65, 2**31 - 1]),
+            "num_speculative_tokens": lambda: r.choice([-1, -3, 65, 2**31 - 1, -(2**31)]),
             "draft_confidence_threshold": lambda: r.choice([1.0, -0.1, 2.0, nan]),
             "cd_form": lambda: r.choice(["lewis", "obrien-li", long_text]),
             "cd_alpha": lambda: r.choice([0.0, -0.1, 1.5, nan, 1e-46]),
@@ -161,7 +206,8 @@ class Generator:
             "max_new_tokens": lambda: r.choice([0, -1, MAX_NEW_LIMIT + 1, 2**31 - 1]),
             STOP: lambda: r.choice([[""], ["a"] * 17, ["y" * 257]]),
         }
-        combos = ["num_beams", "num_return_sequences", "warper_with_beams", "stop_with_beams", "prompt", "prompt_ids"]
+        combos = ["num_beams", "num_return_sequences", "warper_with_beams", "stop_with_beams", "prompt", "prompt_ids",
+                  ENTROPIX, "entropix_warper"]
         broken = r.choice([*breakers, *combos])
         if broken in breakers:
             if broken == STOP:
@@ -197,6 +243,22 @@ class Generator:
             if fields["strategy"] == "contrastive" and warper != "temperature":
                 del fields["temperature"]  # the warper itself is what asks for sampling
             return fields, warper
+        if broken == ENTROPIX:  # one threshold or coefficient out of its bounds
+            fields = self.in_bounds("entropix")
+            name = r.choice(ENTROPIX_FIELDS)
+            if name == "clarifying_token":
+                bad: float = r.choice([-2, VOCAB, 2**31 - 1])
+            elif name in ENTROPIX_INTS:
+                bad = r.choice([0, -1, 1025]) if name != "adaptive_samples" else r.choice([0, -1, 65])
+            else:
+                bad = r.choice([-1.0, -1e-45, nan, inf, -inf])
+            fields[ENTROPIX] = fields[ENTROPIX] | {name: bad}
+            return fields, f"{ENTROPIX}.{name}"
+        if broken == "entropix_warper":  # a base warper entropix cannot take (T = 0, top-k off)
+            fields = self.in_bounds("entropix")
+            warper = r.choice(["temperature", "top_k"])
+            fields[warper] = 0
+            return fields, warper
         if broken == "stop_with_beams":
             fields = {key: value for key, value in fields.items() if key not in WARPERS}
             fields.update(strategy="beam", num_beams=2, num_return_sequences=1)
@@ -218,7 +280,8 @@ class Generator:
         r = self.rng
         floats = [0.0, -0.0, 1.0, -1.0, 0.5, 1e-45, -1e-45, 1e38, -1e38, math.nan, math.inf, -math.inf, r.uniform(-50, 50)]
         ints = [0, 1, 2, 3, -1, 64, 65, 2**31 - 1, -(2**31), r.randint(-10, 10)]
-        strings = ["", "greedy", "sample", "beam", "speculative", "contrastive", "li", "obrien", "true", "never", "\x00", "é" * 3]
+        strings = ["", "greedy", "sample", "beam", "speculative", "contrastive", "entropix", "li", "obrien", "true", "never",
+                   "\x00", "é" * 3]
         descriptor = orchestrator_pb2.GenerateRequest.DESCRIPTOR
         fields: dict[str, Any] = {PROMPT: r.choice(PROMPTS)} if r.random() < 0.8 else {}
         for field in r.sample(list(descriptor.fields), r.randint(1, 8)):
@@ -236,7 +299,10 @@ class Generator:
             elif name == "seed":
                 fields[name] = r.choice([0, 1, 2**64 - 1])
             elif field.type == field.TYPE_ENUM:
-                fields[name] = r.choice([0, 1, 2, 3, 4, 5, *UNKNOWN_ENUM_NUMBERS])
+                fields[name] = r.choice([0, 1, 2, 3, 4, 5, 6, *UNKNOWN_ENUM_NUMBERS])
+            elif name == ENTROPIX:
+                fields[name] = {key: r.choice(ints if key in ENTROPIX_INTS else floats)
+                                for key in r.sample(ENTROPIX_FIELDS, r.randint(1, 4))}
             elif field.type == field.TYPE_MESSAGE:
                 continue
             elif field.type == field.TYPE_FLOAT:
@@ -251,7 +317,11 @@ class Generator:
         return fields
 
     def cases(self, in_bounds: int, adversarial: int, random_: int) -> list[Case]:
-        cases = [Case("in-bounds", self.in_bounds(), self.rng.random() < 0.3, compare=self.rng.random() < 0.5) for _ in range(in_bounds)]
+        cases = []
+        for _ in range(in_bounds):
+            fields = self.in_bounds()
+            stream, compare = self.rng.random() < 0.3, self.rng.random() < 0.5
+            cases.append(Case("in-bounds", fields, stream, compare=compare and reproducible(fields)))
         for _ in range(adversarial):
             fields, broken = self.adversarial()
             cases.append(Case("adversarial", fields, self.rng.random() < 0.5, broken))
@@ -325,7 +395,7 @@ def test_fuzzed_requests_get_clear_answers_and_leave_nothing_behind(fuzzed_stack
             elif case.kind == "random" and outcome.code not in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT):
                 failures.append(f"unexpected status: {where}")
             elif case.kind == "random" and outcome.code == grpc.StatusCode.INVALID_ARGUMENT:
-                named = outcome.details.split(":", 1)[0]
+                named = outcome.details.split(":", 1)[0].split(".", 1)[0]  # entropix.<field>: entropix
                 if named not in case.fields and named != PROMPT:
                     failures.append(f"blamed a field the request did not set: {where}")
             if other is not None and (other.code, other.token_ids, other.text, other.finish_reason) != (

@@ -114,13 +114,17 @@ def test_a_dead_draft_takes_only_the_draft_strategies_away(children: dict[str, C
     client = Client(address, timeout=30)
     children["draft"].kill()
     seconds_until(lambda: not DRAFT_STRATEGIES & set(client.info().strategies), FOLLOW_S)
-    assert sorted(client.info().strategies) == ["beam", "greedy", "sample"]
+    # Entropix stays: it takes the draft only when asked to speculate.
+    assert sorted(client.info().strategies) == ["beam", "entropix", "greedy", "sample"]
     assert health(address, ORCHESTRATOR) == "SERVING"  # the target still serves
-    for strategy in sorted(DRAFT_STRATEGIES):
+    speculating = [{"strategy": name} for name in sorted(DRAFT_STRATEGIES)]
+    speculating.append({"strategy": "entropix", "num_speculative_tokens": 2})
+    for kwargs in speculating:
         with pytest.raises(GenerationError) as refused:
-            client.generate(prompt="def", strategy=strategy, max_new_tokens=3)
+            client.generate(prompt="def", max_new_tokens=3, **kwargs)
         assert refused.value.code == grpc.StatusCode.UNAVAILABLE and refused.value.message.startswith("draft:")
     assert len(client.generate(prompt="def", max_new_tokens=3, ignore_eos=True).token_ids) == 3
+    assert len(client.generate(prompt="def", strategy="entropix", max_new_tokens=3, ignore_eos=True).token_ids) == 3
 
     children["draft"].start()
     seconds_until(lambda: set(client.info().strategies) >= DRAFT_STRATEGIES, FOLLOW_S)

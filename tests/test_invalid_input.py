@@ -33,11 +33,11 @@ CASES: list[tuple[dict[str, Any], str]] = [
     ({"input_ids": [1, 2, 10_000]}, "input_ids"),
     ({"input_ids": [-1]}, "input_ids"),
     ({"input_ids": [1] * 500, "max_new_tokens": 100}, "max_new_tokens"),  # over the 512-token context
-    ({"prompt": "x", "strategy": "speculative", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"prompt": "x", "strategy": "speculative", "num_speculative_tokens": -1}, "num_speculative_tokens"),
     ({"prompt": "x", "stop_strings": [""]}, "stop_strings"),
     ({"prompt": "x", "stop_strings": ["a"] * 17}, "stop_strings"),
     ({"prompt": "x", "strategy": "beam", "stop_strings": ["a"]}, "stop_strings"),
-        ({"prompt": "x", "strategy": "beam", "length_penalty": 400.0}, "length_penalty"),
+    ({"prompt": "x", "strategy": "beam", "length_penalty": 400.0}, "length_penalty"),
     ({"prompt": "x", "strategy": "contrastive", "cd_form": "li", "amateur_temperature": 1e-45}, "amateur_temperature"),
     # A sampling warper with beams is blamed on the warper that was set.
     ({"prompt": "x", "strategy": "beam", "top_p": 0.5}, "top_p"),

@@ -7,7 +7,8 @@ when sampled (DESIGN.md, principle 5; Leviathan et al. 2023, Theorem 1).
   target's distributions; the first token, and the first two jointly, follow the target
   (chi-square, p > 0.001) at temperature 1 and with top-p 0.9. Wrong rules fail the same test.
 - Sampled, end to end: 2k generations over gRPC with distinct seeds (1k more with the n-gram
-  drafter); the first and second tokens' histograms follow the target's exact marginals.
+  drafter); the first and second tokens' histograms follow the target's exact marginals. With
+  pipelined drafting and with auto γ, the first three tokens' histograms do.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import numpy as np
 import pytest
 import torch
 from specwire.client import AsyncClient, Client
-from specwire.orchestrator.speculative import accept_drafts
+from specwire.orchestrator import speculative
 
+from specwire.acceptance import accept_drafts
 from specwire.processing import ProcessingConfig, sampling_probs
 from tests.conftest import hf_model
 from tests.goodness_of_fit import chi_square_pvalue
@@ -52,14 +54,18 @@ def greedy_references(greedy_stack: Stack) -> dict[str, list[int]]:
     }
 
 
-@pytest.mark.parametrize("gamma", [1, 3, 8])
+@pytest.mark.parametrize(
+    ("gamma", "pipeline"), [(1, True), (3, True), (8, True), (3, False), (0, True)], ids=["1", "3", "8", "3-sequential", "auto"]
+)
 def test_greedy_speculative_equals_target_greedy(
-    greedy_stack: Stack, greedy_references: dict[str, list[int]], gamma: int
+    greedy_stack: Stack, greedy_references: dict[str, list[int]], gamma: int, pipeline: bool
 ) -> None:
+    """Fixed γ with and without pipelined drafting, and auto γ (0) with its target-only rounds."""
     client = Client(greedy_stack.address)
     for prompt, expected in greedy_references.items():
         result = client.generate(
-            prompt, strategy="speculative", num_speculative_tokens=gamma, max_new_tokens=40, ignore_eos=True
+            prompt, strategy="speculative", num_speculative_tokens=gamma, speculative_pipeline=pipeline,
+            max_new_tokens=40, ignore_eos=True,
         )
         assert result.token_ids == expected, prompt
         assert result.stats.new_tokens == 40
@@ -176,28 +182,37 @@ def test_wrong_acceptance_rules_fail_the_same_test(
 E2E_CONCURRENCY = 32
 
 
-async def _first_two_tokens(address: str, prompt: str, samples: int, **params: Any) -> list[list[int]]:
+async def _first_tokens(
+    address: str, prompt: str, samples: int, count: int, **params: Any
+) -> tuple[list[list[int]], int]:
+    """The first `count` tokens of `samples` generations, and how many rounds were pipelined."""
     async with AsyncClient(address) as client:
         gate = asyncio.Semaphore(E2E_CONCURRENCY)
 
-        async def one(seed: int) -> list[int]:
+        async def one(seed: int) -> tuple[list[int], int]:
             async with gate:
                 result = await client.generate(prompt, strategy="speculative", seed=seed, ignore_eos=True, **params)
-                return result.token_ids[:2]
+                return result.token_ids[:count], result.stats.pipelined_rounds
 
-        return await asyncio.gather(*(one(seed) for seed in range(samples)))
+        runs = await asyncio.gather(*(one(seed) for seed in range(samples)))
+        return [tokens for tokens, _ in runs], sum(pipelined for _, pipelined in runs)
 
 
 @pytest.mark.parametrize(
-    ("stack_name", "prompt", "gamma", "samples"),
+    ("stack_name", "prompt", "gamma", "samples", "count"),
     [
         # γ = 2 and three tokens: token 1 is an accepted draft or a correction; token 2 an accepted
         # draft, a correction, a bonus, or the next round's after both sessions rolled back.
-        ("small_stack", "abcab", 2, 2000),
+        ("small_stack", "abcab", 2, 2000, 2),
         # The n-gram drafter's proposals carry no q: the orchestrator's one-hot q must stay exact.
-        ("small_ngram_stack", "abcabcab", 1, 1000),
+        ("small_ngram_stack", "abcabcab", 1, 1000, 2),
+        # γ = 1, four tokens: when token 1 is accepted and the bonus equals the draft's guess,
+        # token 3 comes from the round proposed during the first verification (pipelined).
+        ("small_stack", "abcab", 1, 1500, 3),
+        # Auto γ (0): its γ, and its target-only rounds, follow timings; the output must not.
+        ("small_stack", "abcab", 0, 1500, 3),
     ],
-    ids=["model-draft", "ngram-draft"],
+    ids=["model-draft", "ngram-draft", "pipelined", "auto-gamma"],
 )
 def test_speculative_generation_follows_target_distribution_over_grpc(
     request: pytest.FixtureRequest,
@@ -205,16 +220,57 @@ def test_speculative_generation_follows_target_distribution_over_grpc(
     prompt: str,
     gamma: int,
     samples: int,
+    count: int,
     small_target_dir: Path,
     char_tokenizer: Any,
 ) -> None:
     stack: Stack = request.getfixturevalue(stack_name)
-    params = {"temperature": 1.0, "num_speculative_tokens": gamma, "max_new_tokens": gamma + 1}
-    outputs = np.array(asyncio.run(_first_two_tokens(stack.address, prompt, samples, **params)))
+    params = {"temperature": 1.0, "num_speculative_tokens": gamma, "max_new_tokens": max(gamma, 1) + count}
+    tokens, pipelined = asyncio.run(_first_tokens(stack.address, prompt, samples, count, **params))
+    outputs = np.array(tokens)
+    if request.node.callspec.id == "pipelined":
+        assert pipelined > 0, "no round came from a pipelined proposal"
     target = TwoStepDistributions(small_target_dir, char_tokenizer(prompt).input_ids, ProcessingConfig())
     vocab = target.first.shape[0]
-    second_marginal = (target.first @ target.second).numpy()  # Σ_x p(x) p(· | x)
+    marginals = [target.first, target.first @ target.second]  # p(x1), Σ_x1 p(x1) p(· | x1)
+    joint = target.first[:, None] * target.second  # [V, V]: p(x1, x2)
+    marginals.append(torch.einsum("ab,abc->c", joint, target.third))  # Σ p(x1, x2) p(· | x1, x2)
+    pvalues = [
+        chi_square_pvalue(np.bincount(outputs[:, i], minlength=vocab), marginals[i].numpy()) for i in range(count)
+    ]
+    print(f"{stack_name} γ={gamma}: {samples} generations, per-position p = {[round(p, 4) for p in pvalues]}")
+    assert min(pvalues) > ALPHA
+
+
+def test_a_draft_proposing_from_its_top_k_keeps_the_target_distribution(
+    small_stack: Stack, small_target_dir: Path, char_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sampled rounds draw drafts from the draft's top k, renormalised (sent sparse); with k = 4 of
+    20 tokens, q is far from the draft's full distribution, and the output must still be p's."""
+    monkeypatch.setattr(speculative, "DRAFT_TOP_K", 4)  # the orchestrator runs in this process
+    params = {"temperature": 1.0, "num_speculative_tokens": 2, "max_new_tokens": 3}
+    tokens, _ = asyncio.run(_first_tokens(small_stack.address, "abcab", 1500, 2, **params))
+    outputs = np.array(tokens)
+    target = TwoStepDistributions(small_target_dir, char_tokenizer("abcab").input_ids, ProcessingConfig())
+    vocab = target.first.shape[0]
     p_first = chi_square_pvalue(np.bincount(outputs[:, 0], minlength=vocab), target.first.numpy())
-    p_second = chi_square_pvalue(np.bincount(outputs[:, 1], minlength=vocab), second_marginal)
-    print(f"{stack_name}: {samples} generations, first token p={p_first:.4f}, second token p={p_second:.4f}")
+    p_second = chi_square_pvalue(np.bincount(outputs[:, 1], minlength=vocab), (target.first @ target.second).numpy())
+    print(f"draft top-4: first token p={p_first:.4f}, second token p={p_second:.4f}")
+    assert p_first > ALPHA and p_second > ALPHA
+
+
+def test_the_dense_protocol_keeps_the_target_distribution(
+    small_stack: Stack, small_target_dir: Path, char_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against a target without `Step.verify`, p comes back and the orchestrator decides: the
+    same rule, so the same distribution (the other gRPC tests decide in the target)."""
+    monkeypatch.setattr(speculative, "VERIFY_IN_TARGET", False)  # the orchestrator runs in this process
+    params = {"temperature": 1.0, "num_speculative_tokens": 2, "max_new_tokens": 3}
+    tokens, _ = asyncio.run(_first_tokens(small_stack.address, "abcab", 1500, 2, **params))
+    outputs = np.array(tokens)
+    target = TwoStepDistributions(small_target_dir, char_tokenizer("abcab").input_ids, ProcessingConfig())
+    vocab = target.first.shape[0]
+    p_first = chi_square_pvalue(np.bincount(outputs[:, 0], minlength=vocab), target.first.numpy())
+    p_second = chi_square_pvalue(np.bincount(outputs[:, 1], minlength=vocab), (target.first @ target.second).numpy())
+    print(f"dense protocol: first token p={p_first:.4f}, second token p={p_second:.4f}")
     assert p_first > ALPHA and p_second > ALPHA

@@ -28,9 +28,9 @@ from specwire.orchestrator.contrastive import (
 from specwire.orchestrator.generation import Decoder
 from specwire.orchestrator.models import LocalModel
 from specwire.orchestrator.params import MAX_LENGTH_PENALTY, MIN_AMATEUR_TEMPERATURE
-from specwire.orchestrator.speculative import accept_drafts, residual_distribution
 
 from specwire import processing
+from specwire.acceptance import accept_drafts, residual_distribution
 from specwire.engine import load_tokenizer
 from specwire.processing import ProcessingConfig
 from tests.conftest import load_engine

@@ -47,10 +47,12 @@ def run_without(module: str, argv: list[str], cwd: Path) -> subprocess.Completed
     [
         ("matplotlib", ["trace", "summarize", "spans.jsonl", "--plot", "rounds.png"], "plots"),
         ("matplotlib", ["experiment", "--rtt-ms", "0", "--out", "experiment"], "plots"),
+        ("matplotlib", ["generate", "--address", "127.0.0.1:1", "--prompt", "x", "--strategy", "entropix",
+                        "--plot", "states.png"], "plots"),
         ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
          ["serve", "orchestrator", "--target", "127.0.0.1:1", "--port", "0", "--trace-exporter", "otlp"], "otlp"),
     ],
-    ids=["trace-plot", "experiment", "otlp"],
+    ids=["trace-plot", "experiment", "generate-plot", "otlp"],
 )
 def test_missing_extra_names_the_install_command(module: str, argv: list[str], extra: str, tmp_path: Path) -> None:
     run = run_without(module, argv, tmp_path)

@@ -10,13 +10,14 @@ import torch
 from specwire.draft_service.ngram import NgramDrafter, NgramSession, ngram_proposal
 from specwire.orchestrator.speculative import (
     SessionSync,
-    accept_draft,
-    accept_drafts,
     accept_greedy,
+    max_sampled_gamma,
+    ngram_settings,
     one_hot_probs,
-    residual_distribution,
 )
+from specwire.orchestrator.speedup import RunningEstimates, plan_round, time_per_token_ms
 
+from specwire.acceptance import accept_draft, accept_drafts, residual_distribution
 from specwire.engine import CausalLM, Engine
 from specwire.errors import InvalidArgument
 from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
@@ -203,3 +204,52 @@ def test_ngram_drafter_reports_the_target_vocabulary_and_fingerprint(llama_targe
     assert "ngram" in info.capabilities and info.role == "draft" and info.tokenizer_fingerprint
     with pytest.raises(InvalidArgument):
         NgramDrafter.load(str(llama_target_dir), ngram_max=1, ngram_min=2)
+
+
+# -- auto γ: the latency model's plan ------------------------------------------------------------
+
+
+def test_plan_speculates_at_the_gamma_that_minimises_time_per_token() -> None:
+    # α = 0.8, a draft token costs a tenth of a verify, a 2 ms round trip per message.
+    plan = plan_round(0.8, 1.0, 10.0, 2.0, 10.0, 1.0, tokens_per_round=8, max_gamma=16)
+    assert plan.speculate and plan.gamma > 1
+    times = {g: time_per_token_ms(g, 0.8, 1.0, 10.0, 2.0) for g in range(1, 17)}
+    assert plan.gamma == min(times, key=times.__getitem__)
+    assert plan.speculative_ms_per_token == pytest.approx(times[plan.gamma])
+    assert plan.speculative_ms_per_token < plan.target_only_ms_per_token
+
+
+@pytest.mark.parametrize(
+    ("alpha", "draft_ms"),
+    [(0.1, 1.0), (0.9, 10.0)],  # drafts rarely accepted; a draft as slow as the target
+    ids=["low-alpha", "costly-draft"],
+)
+def test_plan_turns_speculation_off_when_target_only_rounds_are_faster(alpha: float, draft_ms: float) -> None:
+    plan = plan_round(alpha, draft_ms, 10.0, 2.0, 10.0, 1.0, tokens_per_round=8, max_gamma=16)
+    assert not plan.speculate
+    assert plan.target_only_ms_per_token == pytest.approx(10.0 + 1.0 / 8)
+    assert plan.target_only_ms_per_token < plan.speculative_ms_per_token
+
+
+def test_running_estimates_track_acceptance_and_costs() -> None:
+    estimates = RunningEstimates()
+    assert not estimates.ready and estimates.alpha == pytest.approx(0.6)  # the prior
+    for _ in range(40):  # every draft accepted
+        estimates.record_acceptance(drafted=4, accepted=4)
+    assert estimates.alpha > 0.97
+    estimates.record_draft(compute_ms=4.0, tokens=4, trip_ms=0.5)
+    estimates.record_verify(compute_ms=10.0, trip_ms=0.5)
+    assert estimates.ready and estimates.plan(8, 16, draft_trip=True).speculate
+    for _ in range(40):  # now every first draft is rejected
+        estimates.record_acceptance(drafted=4, accepted=0)
+    assert estimates.alpha < 0.1 and not estimates.plan(8, 16, draft_trip=True).speculate
+
+
+def test_the_ngram_drafters_settings_reach_the_orchestrator(llama_target_dir: Path) -> None:
+    assert ngram_settings(NgramDrafter.load(str(llama_target_dir), ngram_max=5, ngram_min=2).info()) == (5, 2)
+
+
+def test_sampled_gamma_keeps_a_dense_262k_vocabulary_p_under_the_message_limit() -> None:
+    gamma = max_sampled_gamma(262_144)
+    assert gamma == 31 and (gamma + 1) * 262_144 * 4 <= 64 * 1024 * 1024 // 2
+    assert max_sampled_gamma(4096) > 64  # the demo vocabulary: no cap below the γ bound

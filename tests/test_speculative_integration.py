@@ -28,20 +28,28 @@ PROMPT = "for i in range(10):\n    print(i"
 
 
 def check_stats_add_up(stats: Any, untrimmed: bool) -> None:
+    """Every speculative round yields accepted + 1 tokens; a target-only round (auto γ) its own."""
     histogram = list(stats.accepted_length_histogram)
+    speculative_rounds = stats.rounds - stats.speculation_off_rounds
     assert 0 <= stats.accepted_tokens <= stats.drafted_tokens
-    assert sum(histogram) == stats.rounds == stats.corrections + stats.bonus_tokens
+    assert sum(histogram) == speculative_rounds == stats.corrections + stats.bonus_tokens
     assert sum(k * count for k, count in enumerate(histogram)) == stats.accepted_tokens
-    produced = stats.accepted_tokens + stats.corrections + stats.bonus_tokens
+    produced = stats.accepted_tokens + stats.corrections + stats.bonus_tokens + stats.target_only_tokens
     assert stats.new_tokens == produced if untrimmed else stats.new_tokens <= produced
-    assert stats.target_forwards == stats.rounds  # one verification forward per round
+    # One verification forward per speculative round, one forward per token of a target-only round.
+    assert stats.target_forwards == speculative_rounds + stats.target_only_tokens
     if stats.drafted_tokens:
         assert stats.acceptance_rate == pytest.approx(stats.accepted_tokens / stats.drafted_tokens)
     assert stats.mean_accepted_length == pytest.approx(
         stats.accepted_tokens / stats.rounds if stats.drafted_tokens else 0.0
     )
     assert stats.tokens_per_target_forward == pytest.approx(stats.new_tokens / stats.target_forwards)
-    assert stats.bytes_per_round > 0 and stats.draft_bytes_received > 0 and stats.target_bytes_received > 0
+    assert stats.pipelined_rounds <= speculative_rounds
+    assert stats.bytes_per_round > 0 and stats.target_bytes_received > 0
+    if stats.draft_forwards:
+        assert stats.draft_bytes_received > 0
+    else:  # the n-gram drafter runs in the orchestrator: a round is one target message
+        assert stats.draft_bytes_sent == stats.draft_bytes_received == 0
 
 
 @pytest.mark.parametrize("stack_name", ["llama_stack", "llama_ngram_stack", "self_draft_stack"])
@@ -64,6 +72,38 @@ def test_a_target_drafting_for_itself_has_every_greedy_draft_accepted(self_draft
     assert stats.corrections == 0 and stats.acceptance_rate == 1.0
     # 6 full rounds of 4 + 1 tokens, then the 31st token without drafts
     assert list(stats.accepted_length_histogram) == [1, 0, 0, 0, 6] and stats.tokens_per_target_forward > 4
+
+
+def test_a_draft_that_agrees_has_every_round_after_the_first_proposed_during_verification(
+    self_draft_stack: Stack,
+) -> None:
+    """Pipelined drafting: the draft's guess at the bonus is the target's argmax, so every proposal
+    made during a verification is used, until the rounds left are too few to pipeline."""
+    result = Client(self_draft_stack.address).generate(
+        PROMPT, strategy="speculative", num_speculative_tokens=4, max_new_tokens=31, ignore_eos=True
+    )
+    stats = result.stats
+    assert stats.pipeline_misses == 0 and stats.pipelined_rounds >= stats.rounds - 2 > 0
+    sequential = Client(self_draft_stack.address).generate(
+        PROMPT, strategy="speculative", num_speculative_tokens=4, max_new_tokens=31, ignore_eos=True,
+        speculative_pipeline=False,
+    )
+    assert sequential.token_ids == result.token_ids and sequential.stats.pipelined_rounds == 0
+    check_stats_add_up(stats, untrimmed=True)
+
+
+def test_auto_gamma_falls_back_to_target_only_rounds_when_drafts_are_rejected(small_stack: Stack) -> None:
+    """The small pair's draft is another random model: speculation cannot pay, so auto γ (the
+    default) switches to target-only rounds, probes now and then, and the output stays greedy's."""
+    client = Client(small_stack.address)
+    expected = client.generate("abcab", strategy="greedy", max_new_tokens=48, ignore_eos=True).token_ids
+    result = client.generate("abcab", strategy="speculative", max_new_tokens=48, ignore_eos=True)
+    stats = result.stats
+    assert result.token_ids == expected
+    assert stats.speculation_off_rounds > 0 and stats.target_only_tokens > 0
+    assert stats.rounds > stats.speculation_off_rounds  # it speculated, and probed, too
+    assert 0 < stats.alpha_estimate < 0.5 and stats.verify_ms_estimate > 0 and stats.draft_ms_per_token_estimate > 0
+    check_stats_add_up(stats, untrimmed=True)
 
 
 def test_no_draft_tokens_are_spent_past_max_new_tokens(self_draft_stack: Stack) -> None:
@@ -118,20 +158,25 @@ def test_truncated_sampling_never_leaves_the_target_support(small_stack: Stack, 
     client = Client(small_stack.address)
     prompt_ids = [2, 3, 4, 2, 3]
     model: Any = hf_model(small_target_dir)
+    accepted = 0
     for seed in range(3):
         result = client.generate(
-            input_ids=prompt_ids, strategy="speculative", top_k=3, seed=seed, max_new_tokens=24, ignore_eos=True
+            input_ids=prompt_ids, strategy="speculative", num_speculative_tokens=4, top_k=3, seed=seed,
+            max_new_tokens=24, ignore_eos=True,
         )
-        assert result.stats.accepted_tokens > 0
+        accepted += result.stats.accepted_tokens
         sequence = torch.tensor([prompt_ids + result.token_ids])
         with torch.no_grad():
             logits = model(sequence).logits[0, len(prompt_ids) - 1 : -1]  # [new, V]: the positions that chose them
         top = logits.topk(3, dim=-1).indices
         assert all(token in row for token, row in zip(result.token_ids, top.tolist(), strict=True))
+    assert accepted > 0  # some tokens came through acceptance, not only corrections
 
 
+# 0.99999: most proposals (pipelined ones too) are empty, which must read as a miss, not a fault.
+@pytest.mark.parametrize("threshold", [0.9, 0.99999])
 def test_a_confident_draft_may_stop_early_and_the_output_is_unchanged(
-    self_draft_stack: Stack, llama_stack: Stack
+    self_draft_stack: Stack, llama_stack: Stack, threshold: float
 ) -> None:
     for stack in (self_draft_stack, llama_stack):
         client = Client(stack.address)
@@ -140,7 +185,7 @@ def test_a_confident_draft_may_stop_early_and_the_output_is_unchanged(
             PROMPT,
             strategy="speculative",
             num_speculative_tokens=6,
-            draft_confidence_threshold=0.9,
+            draft_confidence_threshold=threshold,
             max_new_tokens=24,
             ignore_eos=True,
         )
@@ -164,12 +209,14 @@ def test_drafts_never_overrun_the_context(small_stack: Stack) -> None:
     check_stats_add_up(result.stats, untrimmed=True)
 
 
-def test_a_seed_reproduces_a_sampled_generation(small_stack: Stack) -> None:
+def test_a_seed_reproduces_a_sampled_generation_at_a_fixed_gamma(small_stack: Stack) -> None:
+    """Auto γ follows measured timings, so bit-exact replays fix γ (pipelining stays on)."""
     client = Client(small_stack.address)
 
     def run(seed: int) -> list[int]:
         return client.generate(
-            "abcab", strategy="speculative", temperature=1.0, seed=seed, max_new_tokens=20, ignore_eos=True
+            "abcab", strategy="speculative", num_speculative_tokens=3, temperature=1.0, seed=seed,
+            max_new_tokens=20, ignore_eos=True,
         ).token_ids
 
     assert run(5) == run(5)

@@ -23,6 +23,7 @@ from tests.observed import SERVICES, start_observed_stack
 
 ROOT = Path(__file__).resolve().parent.parent
 STRATEGY = "speculative" if "speculative" in STRATEGIES else "greedy"
+SEQUENTIAL = {"speculative_pipeline": False} if STRATEGY == "speculative" else {}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,8 @@ def traced_run(loop: LoopThread, llama_target_dir: Path, llama_draft_dir: Path, 
     try:
         with Client(observed.stack.address, timeout=60) as client:
             results = [
-                client.generate(prompt=prompt, strategy=STRATEGY, max_new_tokens=12, ignore_eos=True)
+                # Sequential rounds: a pipelined round's draft call overlaps its target call.
+                client.generate(prompt=prompt, strategy=STRATEGY, max_new_tokens=12, ignore_eos=True, **SEQUENTIAL)
                 for prompt in ("def add(a, b):", "for i in range(10):\n")
             ]
         observed.flush()

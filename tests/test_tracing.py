@@ -209,3 +209,16 @@ def test_services_follow_the_orchestrators_sampling_decision() -> None:
     assert telemetry.carrier_from_metadata([("traceparent", headers["traceparent"]), ("x", "y")]) == {
         "traceparent": headers["traceparent"]
     }
+
+
+def test_entropix_round_spans_carry_each_decision(traced: Observed, exporter: InMemorySpanExporter) -> None:
+    exporter.clear()
+    result = Client(traced.stack.address, timeout=60).generate(
+        prompt=PROMPT, strategy="entropix", max_new_tokens=5, ignore_eos=True, seed=2
+    )
+    rounds = sorted((s for s in exporter.get_finished_spans() if s.name == "round"),
+                    key=lambda s: int(attr(s, "specwire.round.index")))
+    assert [attr(s, "specwire.round.entropix.state") for s in rounds] == [d.state for d in result.decisions]
+    for span, decision in zip(rounds, result.decisions, strict=True):
+        assert attr(span, "specwire.round.entropix.entropy") == pytest.approx(decision.entropy, rel=1e-6)
+        assert attr(span, "specwire.round.entropix.top_k") == decision.top_k

@@ -132,7 +132,7 @@ class Scoring(_message.Message):
     def __init__(self, kind: _Optional[_Union[ScoreKind, str]] = ..., positions: _Optional[int] = ..., top_n: _Optional[int] = ..., logits_dtype: _Optional[str] = ..., extras: _Optional[_Union[ExtraOutputs, _Mapping]] = ..., score_ids: _Optional[_Iterable[int]] = ..., medusa_top_k: _Optional[int] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("keep_tokens", "branch_order", "append_ids", "scoring", "propose", "propose_greedy", "propose_seed", "propose_min_confidence", "tree_parents", "tree_keep", "tree_topk", "trace")
+    __slots__ = ("keep_tokens", "branch_order", "append_ids", "scoring", "propose", "propose_greedy", "propose_seed", "propose_min_confidence", "tree_parents", "tree_keep", "tree_topk", "verify", "propose_ids_only", "trace")
     KEEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BRANCH_ORDER_FIELD_NUMBER: _ClassVar[int]
     APPEND_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,8 @@ class Step(_message.Message):
     TREE_PARENTS_FIELD_NUMBER: _ClassVar[int]
     TREE_KEEP_FIELD_NUMBER: _ClassVar[int]
     TREE_TOPK_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_IDS_ONLY_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
     keep_tokens: int
     branch_order: _containers.RepeatedScalarFieldContainer[int]
@@ -156,8 +158,26 @@ class Step(_message.Message):
     tree_parents: _containers.RepeatedScalarFieldContainer[int]
     tree_keep: _containers.RepeatedScalarFieldContainer[int]
     tree_topk: _containers.RepeatedScalarFieldContainer[int]
+    verify: Verify
+    propose_ids_only: bool
     trace: _common_pb2.TraceContext
-    def __init__(self, keep_tokens: _Optional[int] = ..., branch_order: _Optional[_Iterable[int]] = ..., append_ids: _Optional[_Iterable[int]] = ..., scoring: _Optional[_Union[Scoring, _Mapping]] = ..., propose: _Optional[int] = ..., propose_greedy: _Optional[bool] = ..., propose_seed: _Optional[int] = ..., propose_min_confidence: _Optional[float] = ..., tree_parents: _Optional[_Iterable[int]] = ..., tree_keep: _Optional[_Iterable[int]] = ..., tree_topk: _Optional[_Iterable[int]] = ..., trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
+    def __init__(self, keep_tokens: _Optional[int] = ..., branch_order: _Optional[_Iterable[int]] = ..., append_ids: _Optional[_Iterable[int]] = ..., scoring: _Optional[_Union[Scoring, _Mapping]] = ..., propose: _Optional[int] = ..., propose_greedy: _Optional[bool] = ..., propose_seed: _Optional[int] = ..., propose_min_confidence: _Optional[float] = ..., tree_parents: _Optional[_Iterable[int]] = ..., tree_keep: _Optional[_Iterable[int]] = ..., tree_topk: _Optional[_Iterable[int]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., propose_ids_only: _Optional[bool] = ..., trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
+
+class Verify(_message.Message):
+    __slots__ = ("draft_probs", "seed")
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    draft_probs: Scores
+    seed: int
+    def __init__(self, draft_probs: _Optional[_Union[Scores, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("accepted_length", "next_token")
+    ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    accepted_length: int
+    next_token: int
+    def __init__(self, accepted_length: _Optional[int] = ..., next_token: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("open", "step")
@@ -168,7 +188,7 @@ class SessionRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ...) -> None: ...
 
 class Scores(_message.Message):
-    __slots__ = ("kind", "argmax_ids", "dense", "sparse_ids", "sparse_values", "entropy", "varentropy", "attention_entropy")
+    __slots__ = ("kind", "argmax_ids", "dense", "sparse_ids", "sparse_values", "entropy", "varentropy", "attention_entropy", "attention_varentropy", "agreement", "interaction_strength")
     KIND_FIELD_NUMBER: _ClassVar[int]
     ARGMAX_IDS_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +197,9 @@ class Scores(_message.Message):
     ENTROPY_FIELD_NUMBER: _ClassVar[int]
     VARENTROPY_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_VARENTROPY_FIELD_NUMBER: _ClassVar[int]
+    AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    INTERACTION_STRENGTH_FIELD_NUMBER: _ClassVar[int]
     kind: ScoreKind
     argmax_ids: _common_pb2.Tensor
     dense: _common_pb2.Tensor
@@ -185,10 +208,13 @@ class Scores(_message.Message):
     entropy: _common_pb2.Tensor
     varentropy: _common_pb2.Tensor
     attention_entropy: _common_pb2.Tensor
-    def __init__(self, kind: _Optional[_Union[ScoreKind, str]] = ..., argmax_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., dense: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sparse_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sparse_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., varentropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., attention_entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    attention_varentropy: _common_pb2.Tensor
+    agreement: _common_pb2.Tensor
+    interaction_strength: _common_pb2.Tensor
+    def __init__(self, kind: _Optional[_Union[ScoreKind, str]] = ..., argmax_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., dense: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sparse_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sparse_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., varentropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., attention_entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., attention_varentropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., agreement: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., interaction_strength: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class SessionReply(_message.Message):
-    __slots__ = ("scores", "proposed_ids", "proposal_scores", "num_tokens", "timing", "medusa_ids", "tree_ids")
+    __slots__ = ("scores", "proposed_ids", "proposal_scores", "num_tokens", "timing", "medusa_ids", "tree_ids", "verdict")
     SCORES_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_IDS_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_SCORES_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +222,7 @@ class SessionReply(_message.Message):
     TIMING_FIELD_NUMBER: _ClassVar[int]
     MEDUSA_IDS_FIELD_NUMBER: _ClassVar[int]
     TREE_IDS_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
     scores: Scores
     proposed_ids: _common_pb2.Tensor
     proposal_scores: Scores
@@ -203,4 +230,5 @@ class SessionReply(_message.Message):
     timing: _common_pb2.ServerTiming
     medusa_ids: _common_pb2.Tensor
     tree_ids: _common_pb2.Tensor
-    def __init__(self, scores: _Optional[_Union[Scores, _Mapping]] = ..., proposed_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., proposal_scores: _Optional[_Union[Scores, _Mapping]] = ..., num_tokens: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ServerTiming, _Mapping]] = ..., medusa_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tree_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    verdict: Verdict
+    def __init__(self, scores: _Optional[_Union[Scores, _Mapping]] = ..., proposed_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., proposal_scores: _Optional[_Union[Scores, _Mapping]] = ..., num_tokens: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ServerTiming, _Mapping]] = ..., medusa_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tree_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,96 @@
+"""Uncertainty metrics of a causal LM at one position: the inputs of entropy-adaptive sampling.
+
+Two families, as in xjdr-alt/entropix (`entropix/torch_sampler.py`, commit 97a51d3,
+2024-10-17, `calculate_varentropy_logsoftmax` and `calculate_metrics`), all pure functions over
+tensors, in bits where a logarithm appears:
+
+- of the next-token distribution p = softmax(logits):
+  entropy H = −Σ_x p(x) log₂ p(x), varentropy V = Σ_x p(x) (log₂ p(x) + H)²;
+- of the last layer's pre-softmax attention scores s_h(j) = q_h · k_j / √d over the keys j a
+  query may attend to (its real, unpadded, causal context), with p_h = softmax_j s_h:
+  attention entropy = mean_h H(p_h); attention varentropy = Var_h H(p_h) (population variance);
+  head agreement = mean_{h,j} |p_h(j) − mean_h' p_h'(j)|; interaction strength = mean_{h,j} |s_h(j)|.
+
+How this differs from the reference: the reference takes the scores against its whole
+preallocated KV cache (`max_seq_len` slots, unfilled ones scoring q · 0 = 0), so its attention
+softmax spreads mass over empty slots, its entropies sit near log₂(max_seq_len) and its means
+divide by the cache length. Here every statistic runs over the keys the query really attends to,
+so values do not depend on how much cache a server preallocated. The reference's torch port takes
+`torch.var` (unbiased); its JAX original `jnp.var` (population), which is what this uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LOG2_E = 1.4426950408889634  # log₂(x) = ln(x) · log₂(e)
+MIN_LOG2 = -1e4  # log p below this is p = 0 in float32 (and keeps 0 · log 0 at 0, not NaN)
+
+
+@dataclass
+class AttentionStats:
+    """Per-query attention statistics, each [rows] float32."""
+
+    entropy: torch.Tensor
+    varentropy: torch.Tensor
+    agreement: torch.Tensor
+    interaction_strength: torch.Tensor
+
+
+def token_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entropy and varentropy (bits) of softmax(logits). logits: [..., vocab] → two [...] float32.
+
+    H = −Σ p log₂ p; V = Σ p (log₂ p + H)², computed in nats and converted (× log₂e, × log₂²e).
+    −inf logits (masked ids) contribute 0: log p is clamped at −10⁴, where float32 p is 0 already.
+    """
+    ln_p = torch.log_softmax(logits.float(), dim=-1).clamp(min=MIN_LOG2)  # [..., vocab], natural log
+    p = ln_p.exp()
+    entropy = -(p * ln_p).sum(dim=-1, keepdim=True)  # [..., 1], nats
+    varentropy = (p * (ln_p + entropy).square()).sum(dim=-1)  # nats²
+    return entropy.squeeze(-1) * LOG2_E, varentropy * (LOG2_E * LOG2_E)
+
+
+def attention_scores(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """s = q kᵀ · scaling; query head h reads key head h // (heads / kv_heads) (grouped attention).
+
+    query: [batch, heads, q_len, d]; key: [batch, kv_heads, k_len, d] → [batch, heads, q_len, k_len] float32.
+    """
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.float().reshape(batch, kv_heads, (heads // kv_heads) * q_len, dim)  # heads of a group stacked
+    scores = torch.matmul(grouped, key.float().transpose(-1, -2)) * scaling  # [batch, kv_heads, g·q_len, k_len]
+    return scores.reshape(batch, heads, q_len, key.shape[2])
+
+
+def attention_stats(scores: torch.Tensor, valid: torch.Tensor | None) -> AttentionStats:
+    """The module docstring's four statistics per query, over the keys `valid` allows.
+
+    scores: [rows, heads, keys] pre-softmax (any value, −inf included, where `valid` is False);
+    valid: [rows, keys] bool (at least one True per row), or None when every key is attended to
+    (the last new token of a causal step).
+    """
+    heads = scores.shape[1]
+    if valid is None:
+        keys: torch.Tensor | int = scores.shape[-1]
+        strength = scores.abs().mean(dim=(1, 2))  # [rows]
+    else:
+        keys = valid.sum(dim=-1)  # [rows]
+        strength = scores.abs().masked_fill(~valid.unsqueeze(1), 0.0).sum(dim=(1, 2)) / (heads * keys)  # −inf-safe
+        scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    p = torch.softmax(scores, dim=-1)  # [rows, heads, keys]; masked keys: 0 in every head, adding nothing below
+    head_entropy = torch.special.entr(p).sum(dim=-1) * LOG2_E  # [rows, heads], −Σ p ln p (0 ln 0 = 0), in bits
+    agreement = (p - p.mean(dim=1, keepdim=True)).abs().sum(dim=(1, 2)) / (heads * keys)
+    varentropy, entropy = torch.var_mean(head_entropy, dim=-1, correction=0)
+    return AttentionStats(entropy=entropy, varentropy=varentropy, agreement=agreement, interaction_strength=strength)
+
+
+@dataclass
+class PositionMetrics:
+    """What a service returns per scored row (branches × positions), each [rows] float32; the
+    attention fields are None when they were not asked for."""
+
+    entropy: torch.Tensor
+    varentropy: torch.Tensor
+    attention: AttentionStats | None = None
