@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from specwire.engine import CausalLM, Engine
+from specwire.engine import CausalLM, Engine, EngineLimits
 from specwire.errors import InvalidArgument
 from specwire.medusa import build_tree, tree_path, tree_tokens
-from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
+from specwire.session import Extras, OpenRequest, ScoreKind, Scoring, StepRequest
 from tests.conftest import hf_model
 from tests.medusa_tiny import medusa_engine
 
@@ -145,3 +145,42 @@ def test_tree_topk_needs_heads_and_a_scored_last_token(
     plain.open(OpenRequest(PROMPT, scoring=Scoring(ScoreKind.ARGMAX, positions=1)))
     with pytest.raises(InvalidArgument, match="^tree_topk: this service has no Medusa heads"):
         plain.step(StepRequest(**tree))  # type: ignore[arg-type]
+
+
+def test_entropix_metrics_on_a_service_with_heads_equal_a_plain_service(
+    model_and_heads: tuple[Path, Path], batching: bool
+) -> None:
+    """A one-branch step on a service with heads takes the hidden-keeping forward (for
+    `tree_topk`); the entropix metrics it returns must equal those of the same model without heads."""
+    model_dir, heads_dir = model_and_heads
+    with_heads = medusa_engine(model_dir, heads_dir, batching)
+    plain = Engine(CausalLM.load(str(model_dir), device="cpu", dtype="float32"), "target",
+                   EngineLimits(batching=batching))
+    steps = [
+        (PROMPT, Scoring(ScoreKind.PROBS, positions=2, extras=Extras(entropy=True, varentropy=True))),
+        ([7, 8, 9], Scoring(ScoreKind.ARGMAX, positions=3, extras=Extras(entropy=True, varentropy=True))),
+        ([4], Scoring(ScoreKind.ARGMAX, positions=2, extras=Extras(True, True, attention_stats=True))),
+    ]
+    results = []
+    for engine in (with_heads, plain):
+        session = engine.new_session()
+        ids, scoring = steps[0]
+        replies = [session.open(OpenRequest(ids, scoring=scoring))]
+        replies += [session.step(StepRequest(append_ids=ids, scoring=scoring)) for ids, scoring in steps[1:]]
+        results.append(replies)
+    for ours, theirs in zip(*results, strict=True):
+        assert ours.scores is not None and theirs.scores is not None
+        mine, reference = ours.scores.metrics, theirs.scores.metrics
+        assert mine is not None and reference is not None
+        torch.testing.assert_close(mine.entropy, reference.entropy, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(mine.varentropy, reference.varentropy, atol=1e-4, rtol=1e-4)
+        assert (mine.attention is None) == (reference.attention is None)
+        if mine.attention is not None and reference.attention is not None:
+            torch.testing.assert_close(mine.attention.entropy, reference.attention.entropy, atol=1e-4, rtol=1e-4)
+    with pytest.raises(InvalidArgument, match="scoring.extras.attention_stats"):
+        session = with_heads.new_session()
+        session.open(OpenRequest(PROMPT))
+        session.step(
+            StepRequest(append_ids=[3], scoring=Scoring(ScoreKind.ARGMAX, positions=1, medusa_top_k=2,
+                                                        extras=Extras(attention_stats=True)))
+        )
