@@ -276,8 +276,11 @@ def _end(span: Span, error: BaseException | None = None) -> None:
     span.end()
 
 
-class Client:
-    """Blocking client. `Client("host:50051").generate(prompt="def f(", max_new_tokens=32)`."""
+class _Connection:
+    """What both clients hold: the orchestrator's address, a channel (`_connect`: blocking or
+    asyncio) with its stub, the default timeout and the bearer token."""
+
+    _connect: Any
 
     def __init__(
         self,
@@ -294,8 +297,15 @@ class Client:
         self.address = address
         self.timeout = timeout
         self._token = token
-        self._channel = security.sync_channel(address, _tls(tls_ca, tls_cert, tls_key), CHANNEL_OPTIONS)
+        self._channel = self._connect(address, _tls(tls_ca, tls_cert, tls_key), CHANNEL_OPTIONS)
         self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
+
+
+class Client(_Connection):
+    """Blocking client. `Client("host:50051").generate(prompt="def f(", max_new_tokens=32)`."""
+
+    _connect = staticmethod(security.sync_channel)
+
 
     def generate(self, prompt: str | None = None, **params: Any) -> GenerateResult:
         request = build_request(prompt, **params)
@@ -343,26 +353,11 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_Connection):
     """asyncio client with the same calls as `Client`."""
 
-    def __init__(
-        self,
-        address: str = "127.0.0.1:50051",
-        timeout: float | None = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        token: str | None = None,
-    ) -> None:
-        """`tls_ca`: the CA that signed the orchestrator's certificate (TLS; plaintext without);
-        `tls_cert`/`tls_key`: this client's own, where the server requires one; `token`: sent as
-        `authorization: Bearer <token>` on every call but health."""
-        self.address = address
-        self.timeout = timeout
-        self._token = token
-        self._channel = security.aio_channel(address, _tls(tls_ca, tls_cert, tls_key), CHANNEL_OPTIONS)
-        self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
+    _connect = staticmethod(security.aio_channel)
+
 
     async def generate(self, prompt: str | None = None, **params: Any) -> GenerateResult:
         request = build_request(prompt, **params)

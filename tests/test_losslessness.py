@@ -242,6 +242,21 @@ def test_speculative_generation_follows_target_distribution_over_grpc(
     assert min(pvalues) > ALPHA
 
 
+def _assert_first_two_tokens_follow_the_target(
+    stack: Stack, target_dir: Path, char_tokenizer: Any, label: str, **params: Any
+) -> None:
+    """1,500 seeded generations from "abcab": the first token and the second token's marginal
+    each pass the chi-square test against the target's own distributions."""
+    tokens, _ = asyncio.run(_first_tokens(stack.address, "abcab", 1500, 2, **params))
+    outputs = np.array(tokens)
+    target = TwoStepDistributions(target_dir, char_tokenizer("abcab").input_ids, ProcessingConfig())
+    vocab = target.first.shape[0]
+    p_first = chi_square_pvalue(np.bincount(outputs[:, 0], minlength=vocab), target.first.numpy())
+    p_second = chi_square_pvalue(np.bincount(outputs[:, 1], minlength=vocab), (target.first @ target.second).numpy())
+    print(f"{label}: first token p={p_first:.4f}, second token p={p_second:.4f}")
+    assert p_first > ALPHA and p_second > ALPHA
+
+
 def test_a_draft_proposing_from_its_top_k_keeps_the_target_distribution(
     small_stack: Stack, small_target_dir: Path, char_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -249,14 +264,7 @@ def test_a_draft_proposing_from_its_top_k_keeps_the_target_distribution(
     20 tokens, q is far from the draft's full distribution, and the output must still be p's."""
     monkeypatch.setattr(speculative, "DRAFT_TOP_K", 4)  # the orchestrator runs in this process
     params = {"temperature": 1.0, "num_speculative_tokens": 2, "max_new_tokens": 3}
-    tokens, _ = asyncio.run(_first_tokens(small_stack.address, "abcab", 1500, 2, **params))
-    outputs = np.array(tokens)
-    target = TwoStepDistributions(small_target_dir, char_tokenizer("abcab").input_ids, ProcessingConfig())
-    vocab = target.first.shape[0]
-    p_first = chi_square_pvalue(np.bincount(outputs[:, 0], minlength=vocab), target.first.numpy())
-    p_second = chi_square_pvalue(np.bincount(outputs[:, 1], minlength=vocab), (target.first @ target.second).numpy())
-    print(f"draft top-4: first token p={p_first:.4f}, second token p={p_second:.4f}")
-    assert p_first > ALPHA and p_second > ALPHA
+    _assert_first_two_tokens_follow_the_target(small_stack, small_target_dir, char_tokenizer, "draft top-4", **params)
 
 
 def test_the_dense_protocol_keeps_the_target_distribution(
@@ -266,11 +274,4 @@ def test_the_dense_protocol_keeps_the_target_distribution(
     same rule, so the same distribution (the other gRPC tests decide in the target)."""
     monkeypatch.setattr(speculative, "VERIFY_IN_TARGET", False)  # the orchestrator runs in this process
     params = {"temperature": 1.0, "num_speculative_tokens": 2, "max_new_tokens": 3}
-    tokens, _ = asyncio.run(_first_tokens(small_stack.address, "abcab", 1500, 2, **params))
-    outputs = np.array(tokens)
-    target = TwoStepDistributions(small_target_dir, char_tokenizer("abcab").input_ids, ProcessingConfig())
-    vocab = target.first.shape[0]
-    p_first = chi_square_pvalue(np.bincount(outputs[:, 0], minlength=vocab), target.first.numpy())
-    p_second = chi_square_pvalue(np.bincount(outputs[:, 1], minlength=vocab), (target.first @ target.second).numpy())
-    print(f"dense protocol: first token p={p_first:.4f}, second token p={p_second:.4f}")
-    assert p_first > ALPHA and p_second > ALPHA
+    _assert_first_two_tokens_follow_the_target(small_stack, small_target_dir, char_tokenizer, "dense protocol", **params)
