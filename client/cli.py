@@ -60,8 +60,13 @@ def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: i
         help="batched: slot cache and cross-session batching; hf: transformers' forward, one session at a time",
     )
     parser.add_argument(
-        "--compile", default="auto", choices=["auto", "on", "off"],
-        help="torch.compile the batched forward (CUDA graphs on CUDA); auto = where measured to pay",
+        "--compile", default=os.environ.get("SPECWIRE_COMPILE", "auto"), choices=["auto", "on", "off"],
+        help="torch.compile the batched forward (CUDA graphs on CUDA); auto = where measured to pay "
+        "(default: $SPECWIRE_COMPILE, else auto)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=0,
+        help="CPU threads for the model's arithmetic; 0 = every core (services sharing a machine should split them)",
     )
     if role == "target":
         parser.add_argument("--medusa", help="Medusa heads directory (default: the demo target's own heads)")
@@ -480,6 +485,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queued_sessions=args.max_queued_sessions,
         engine=args.engine,
         compile=args.compile,
+        threads=args.threads,
         drafter=getattr(args, "drafter", "model"),
         medusa=getattr(args, "medusa", None),
         ngram_max=getattr(args, "ngram_max", 3),

@@ -4,7 +4,9 @@ Each session runs on its own thread and hands its forward (a `ForwardJob`: its r
 tokens, where they start) to the service's `Scheduler`. Whoever finds the model idle runs the
 forward itself, with every job queued by then, so a session alone never waits for a window
 and pays no thread hop; sessions that arrive during a forward are served together by the next
-one. A multi-step round is one job per step, so it batches step by step with the rest.
+one. A decode round (k tokens drawn one after another) is one job of k steps: whoever leads
+runs its step in every forward and calls the job's `pick` to choose the next tokens, so the
+session's thread sleeps until the round is done instead of waking for every token.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ log = logging.getLogger("specwire")
 PREFILL_CHUNK = 64
 
 
+
 @dataclass
 class ForwardJob:
     """Rows of one session with the same new-token count. Results are filled in by the scheduler."""
@@ -43,7 +46,13 @@ class ForwardJob:
     want_hidden: bool = False
     want_attention: bool = False  # the last layer's scores of the `keep` tokens (entropix)
     owner: object = None  # the session the job comes from
-    more: bool = False  # the owner sends its next job right after this one (a multi-step round)
+    more: bool = False  # the owner sends its next job right after this one
+    # A decode round: up to `steps` forwards. After each, `pick(logits [rows, vocab] of the last
+    # token)` returns the rows' next tokens [rows, 1] (forwarded next, as one new token each) or
+    # None to end the round early. It runs on whichever thread leads; the owner is waiting.
+    steps: int = 1
+    pick: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+    forwards: int = 0  # run so far
     # results
     logits: torch.Tensor | None = None  # [rows, keep, vocab] float32
     hidden: torch.Tensor | None = None  # [rows, n, hidden]
@@ -70,11 +79,11 @@ class SchedulerStats:
 class Scheduler:
     """Runs `ForwardJob`s over one model and one slot cache, batching whatever is queued.
 
-    In a multi-step round (proposals, multi-token greedy) a session comes back with its next
-    job a moment after the last one was served, once it has picked its token. A leader that
-    would start a forward while such a session is still missing waits for it, up to half the
-    last forward's time, so the streams stay in step instead of splitting into ever smaller
-    batches. Sessions gone over the wire are not waited for. A session alone never waits.
+    A session with two forwards in one message (scores, then a decode round) comes back with
+    its next job a moment after the first was served. A leader that would start a forward
+    while such a session is still missing waits for it, up to half the last forward's time,
+    so the streams stay in step instead of splitting into ever smaller batches. Sessions gone
+    over the wire are not waited for. A session alone never waits.
     """
 
     def __init__(self, model: LeanModel, cache: SlotCache, device: torch.device) -> None:
@@ -90,24 +99,37 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._compiled: Callable[..., ForwardOutput] | None = None
 
-    def compile(self, warm_rows: tuple[int, ...] = (1, 2, 4, 8), warm_tokens: tuple[int, ...] = (1,)) -> bool:
-        """Run forwards through `torch.compile` (CUDA graphs too on CUDA), shapes bucketed: rows
-        to powers of two, slots looked at to multiples of 64. Compiles the common buckets now
-        (decode at 1, 2, 4, 8 rows) and logs the time; on failure logs why and stays eager.
-        The compiled code is cached on disk (TORCHINDUCTOR_CACHE_DIR) for the next start."""
+    def compile(self) -> bool:
+        """Run forwards through `torch.compile`; compile the common shapes now and log the time.
+        On failure log why and stay eager.
+
+        CPU: graphs over symbolic shapes (rows, new tokens, slots looked at), so batches of any
+        size run compiled code without recompiling; torch specialises sizes of 1, hence a few
+        graphs (see below). Its code is 4–6 µs per kernel, not bit-identical to eager (fused
+        reductions): tokens equal, logits to ~1e-6. CUDA: CUDA graphs, which
+        want static shapes, so rows are padded to powers of two and slots to multiples of 64,
+        one graph per bucket (decode at 1, 2, 4, 8 rows compiled now). The compiled code is
+        cached on disk (TORCHINDUCTOR_CACHE_DIR) for the next start.
+        """
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "specwire" / "inductor"))
-        mode = "reduce-overhead" if self.device.type == "cuda" else None  # reduce-overhead = CUDA graphs
+        cuda = self.device.type == "cuda"
         started = time.perf_counter()
         try:
-            # CPU: one graph over symbolic shapes. CUDA: a graph per bucket shape (CUDA graphs want
-            # static shapes), so the recompile limit must cover the buckets.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            self._compiled = torch.compile(self.model.forward, dynamic=True if self.device.type == "cpu" else None, mode=mode)
+            if cuda:
+                self._compiled = torch.compile(self.model.forward, mode="reduce-overhead")
+                shapes = [(rows, 1, False) for rows in (1, 2, 4, 8)]
+            else:
+                # Sizes of 1 are specialised: four graphs cover rows 1 / more × tokens 1 / more,
+                # a fifth a lone decode step with attention scores (entropix). Rarer mixes with
+                # scores compile when first met.
+                self._compiled = torch.compile(self.model.forward, dynamic=True)
+                shapes = [(1, 1, False), (3, 1, False), (1, 3, False), (3, 3, False), (1, 1, True)]
             scratch = self.cache.scratch_row
-            for rows in warm_rows:
-                for tokens in warm_tokens:
-                    job = ForwardJob([scratch] * rows, torch.zeros((rows, tokens), dtype=torch.long), 0, 1)
-                    self._forward([job])
+            for rows, tokens, scores in shapes:
+                # From slot 2 on: a job at slot 0 would look at one slot, and specialise that too.
+                tokens_in = torch.zeros((rows, tokens), dtype=torch.long)
+                self._forward([ForwardJob([scratch] * rows, tokens_in, 2, 1, want_attention=scores)])
         except Exception as error:  # any compiler failure: serve eagerly
             self._compiled = None
             log.warning("torch.compile failed, serving eagerly: %s: %s", type(error).__name__, error)
@@ -124,7 +146,12 @@ class Scheduler:
     def run(self, job: ForwardJob) -> ForwardJob:
         """Queue `job` and return once its results are in (running forwards while leading)."""
         if job.new_tokens > PREFILL_CHUNK and job.tree_mask is None and job.positions is None:
-            return self._run_chunked(job)
+            if job.pick is None:
+                return self._run_chunked(job)
+            # A decode round after a long append: the append's prefix first, chunked.
+            head = job.new_tokens - 1
+            self._run_chunked(ForwardJob(job.rows, job.tokens[:, :head], job.start, 1))
+            job.tokens, job.start = job.tokens[:, head:], job.start + head
         with self._mutex:
             self._queue.append(job)
             if self._awaited:
@@ -186,6 +213,7 @@ class Scheduler:
                 if group:
                     self._execute(group)
             with self._mutex:
+                self._queue = [job for job in batch if not job.done] + self._queue  # rounds going on
                 if not self._queue:
                     self._busy = False
                     return
@@ -210,21 +238,42 @@ class Scheduler:
             self._last_forward_s = elapsed
             self._awaited |= {id(job.owner) for job in jobs if job.more and job.owner is not None}
         for job in jobs:
+            job.forwards += 1
+            if job.error is None and job.pick is not None and self._next_step(job):
+                continue
             job.done = True
             job._wake.set()
+
+    @staticmethod
+    def _next_step(job: ForwardJob) -> bool:
+        """Pick a decode round's next tokens; True when the round goes on with another forward."""
+        assert job.pick is not None and job.logits is not None
+        try:
+            tokens = job.pick(job.logits[:, -1])
+        except BaseException as error:  # the owner raises it
+            job.error = error
+            return False
+        if tokens is None or job.forwards >= job.steps:
+            return False
+        job.start += job.new_tokens
+        job.tokens = tokens
+        return True
 
     @torch.inference_mode()
     def _forward(self, jobs: list[ForwardJob]) -> None:
         scores = any(job.want_attention for job in jobs)
-        if self._compiled is not None and not scores:
-            batch = build_batch(jobs, self.device, self.cache.scratch_row, pad_rows=True, key_multiple=64)
-            batch.contiguous_from, batch.dense = None, False  # one graph for every batch of a bucket
+        cuda = self.device.type == "cuda"
+        compiled = self._compiled is not None and not (scores and cuda)
+        batch = build_batch(jobs, self.device, self.cache.scratch_row, pad_rows=compiled and cuda,
+                            key_multiple=64 if compiled and cuda else 1)
+        if scores:
+            batch.scores = True
+            batch.score_rows, batch.score_tokens = score_selection(jobs, self.device)
+        if compiled:
+            assert self._compiled is not None
+            batch.contiguous_from, batch.dense = None, False  # these would be guarded on: one graph
             out = self._compiled(self.cache, batch)
         else:
-            batch = build_batch(jobs, self.device, self.cache.scratch_row)
-            if scores:
-                batch.scores = True
-                batch.score_rows, batch.score_tokens = score_selection(jobs, self.device)
             out = self.model.forward(self.cache, batch)
         picked = []  # hidden states of the positions whose logits are wanted
         first = 0

@@ -34,6 +34,7 @@ class ModelServiceConfig:
     max_queued_sessions: int = 64
     engine: str = "batched"  # "batched" (slot cache, batching scheduler) or "hf" (transformers' forward)
     compile: str = "auto"  # torch.compile of the batched forward: auto (where it pays), on, off
+    threads: int = 0  # torch's intra-op threads; 0 = torch's default (every core)
     drafter: str = "model"  # draft only: "model" or "ngram"
     ngram_max: int = 3  # n-gram drafter: longest n-gram matched
     ngram_min: int = 1

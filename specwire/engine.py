@@ -15,7 +15,8 @@ import json
 import logging
 import os
 import threading
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
 import grpc
@@ -53,8 +54,15 @@ from specwire.slot_cache import SLACK, SlotCache
 log = logging.getLogger("specwire")
 
 MAX_BRANCHES = 64
-# Device types where `--compile auto` compiles: where a measurement showed it pays (none yet).
-COMPILE_PAYS_ON: frozenset[str] = frozenset()
+# Device types where `--compile auto` compiles: where a measurement showed it pays. CPU: the
+# demo target's server-side decode round took 23% less time compiled (README, "Compiled steps").
+COMPILE_PAYS_ON: frozenset[str] = frozenset({"cpu"})
+
+
+def compile_default() -> str:
+    """`--compile` / `EngineLimits.compile` unless given: $SPECWIRE_COMPILE, else "auto". (The
+    test suite sets "off": a compile per test service would cost it minutes.)"""
+    return os.environ.get("SPECWIRE_COMPILE", "auto")
 MAX_PROPOSE = 64
 
 
@@ -178,8 +186,8 @@ class EngineLimits:
     queue_timeout_s: float = 30.0  # longest wait for free rows
     batching: bool = True  # False: transformers' forward, one DynamicCache per session, no batching
     # torch.compile of the batched forward: "on", "off", or "auto" = where it was measured to
-    # pay: nowhere yet (on CPU the compiled step was slower; CUDA is unmeasured; see README).
-    compile: str = "auto"
+    # pay (COMPILE_PAYS_ON). Default: $SPECWIRE_COMPILE, else "auto".
+    compile: str = field(default_factory=compile_default)
 
 
 def _available_memory(device: torch.device) -> int:
@@ -320,6 +328,14 @@ class SessionKV(Protocol):
         rows (`specwire.entropy_metrics`), from the same forward pass."""
         ...
 
+    def decode(
+        self, tokens: torch.Tensor, start: int, steps: int, pick: Callable[[torch.Tensor], torch.Tensor | None]
+    ) -> int:
+        """A decode round: forward tokens[:, start:], then up to `steps` − 1 times the tokens
+        `pick(logits [branches, vocab] of the last token)` returns, until it returns None.
+        Returns the forwards run. `pick` sees the logits of each forward in turn."""
+        ...
+
     def forward_tree(
         self, tokens: torch.Tensor, start: int, positions: int, parents: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -373,6 +389,17 @@ class DynamicKV:
             )
         self.cached = int(tokens.shape[1])
         return out.logits[:, -positions:, :].float(), probe.stats if probe is not None else None
+
+    def decode(
+        self, tokens: torch.Tensor, start: int, steps: int, pick: Callable[[torch.Tensor], torch.Tensor | None]
+    ) -> int:
+        for step in range(steps):
+            logits, _ = self.forward(tokens, start, 1)
+            chosen = pick(logits[:, 0])
+            if chosen is None or step + 1 == steps:
+                return step + 1
+            tokens, start = torch.cat([tokens, chosen], dim=1), self.cached
+        return steps
 
     @torch.inference_mode()
     def forward_tree(
@@ -504,6 +531,14 @@ class SlotKV:
         # The last new token attends to every slot; earlier ones are causally masked.
         valid = None if positions == 1 else torch.isfinite(rows[:, 0])  # [branches·positions, keys]
         return job.logits, attention_stats(rows, valid)
+
+    def decode(
+        self, tokens: torch.Tensor, start: int, steps: int, pick: Callable[[torch.Tensor], torch.Tensor | None]
+    ) -> int:
+        """One scheduler job for the whole round (`ForwardJob.steps`): batched step by step with
+        the other sessions' forwards, with no wake-up of this thread between steps."""
+        job = self.run(ForwardJob(list(self.rows), tokens[:, start:], start, 1, steps=steps, pick=pick))
+        return job.forwards
 
     def forward_tree(
         self, tokens: torch.Tensor, start: int, positions: int, parents: list[int]
@@ -937,7 +972,7 @@ class EngineSession:
         return apply_penalties(logits, history, config)
 
     def _propose(self, count: int, greedy: bool, seed: int, min_confidence: float) -> tuple[torch.Tensor, Scores | None]:
-        """Draw up to `count` tokens per branch; the last drawn token stays pending."""
+        """Draw up to `count` tokens per branch in one decode round; the last drawn stays pending."""
         self.last_hidden = None
         generator = None
         if not greedy:
@@ -945,10 +980,10 @@ class EngineSession:
             generator.manual_seed(seed)
         drawn: list[torch.Tensor] = []
         dists: list[torch.Tensor] = []
-        for index in range(count):
-            logits = self._forward(1, more=index + 1 < count)[:, 0]  # [branches, vocab]
+
+        def pick(logits: torch.Tensor) -> torch.Tensor | None:  # [branches, vocab] → [branches, 1]
             history = self.tokens.to(logits.device)
-            gated = index > 0 and min_confidence > 0  # the confidence is only worked out when it can stop
+            gated = bool(drawn) and min_confidence > 0  # the confidence is only worked out when it can stop
             if greedy:
                 scores = greedy_scores(logits, history, self.processing)
                 token = scores.argmax(dim=-1, keepdim=True)
@@ -961,9 +996,15 @@ class EngineSession:
             if gated and float(cast(torch.Tensor, confidence)) < min_confidence:
                 if dists:
                     dists.pop()
-                break
+                return None
             drawn.append(token.cpu())
             self.tokens = torch.cat([self.tokens, drawn[-1]], dim=1)
+            return drawn[-1]
+
+        start = min(self.kv.cached, self.length - 1)
+        if start < self.kv.cached:
+            self.kv.crop(start)
+        self.forward_calls += self.kv.decode(self.tokens, start, count, pick)
         proposed = torch.cat(drawn, dim=1).to(torch.int32)
         if greedy:
             return proposed, None

@@ -71,21 +71,22 @@ def _attend(
     batch: ForwardBatch,
     scaling: float,
     scores_out: list[torch.Tensor] | None,
+    gqa: bool = False,  # fewer key/value heads than query heads
 ) -> torch.Tensor:
     """Write the new keys/values into their slots, attend over the rows' slots: [B, T, Hq·D]."""
     rows = batch.rows.unsqueeze(1)  # [B, 1], broadcast against slots [B, T]
-    cache.keys[layer][rows, :, batch.slots] = key.transpose(1, 2)  # [B, T, Hkv, D] at (row, :, slot)
-    cache.values[layer][rows, :, batch.slots] = value.transpose(1, 2)
+    key_store, value_store = cache.keys[layer], cache.values[layer]  # [rows + 1, Hkv, slots, D]
+    key_store[rows, :, batch.slots] = key.transpose(1, 2)  # [B, T, Hkv, D] at (row, :, slot)
+    value_store[rows, :, batch.slots] = value.transpose(1, 2)
     length = batch.key_mask.shape[-1]
     if batch.contiguous_from is not None:
         first = batch.contiguous_from
-        keys = cache.keys[layer, first : first + len(batch.rows), :, :length]
-        values = cache.values[layer, first : first + len(batch.rows), :, :length]
+        keys = key_store[first : first + len(batch.rows), :, :length]
+        values = value_store[first : first + len(batch.rows), :, :length]
     else:
-        keys = cache.keys[layer, :, :, :length].index_select(0, batch.rows)  # [B, Hkv, L, D]
-        values = cache.values[layer, :, :, :length].index_select(0, batch.rows)
+        keys = key_store[:, :, :length].index_select(0, batch.rows)  # [B, Hkv, L, D]
+        values = value_store[:, :, :length].index_select(0, batch.rows)
     mask = None if batch.dense else batch.key_mask.unsqueeze(1)  # [B, 1, T, L]
-    gqa = query.shape[1] != keys.shape[1]
     if scores_out is not None:
         scores_out.append(_chosen_scores(query, keys, batch, scaling))
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
@@ -122,6 +123,7 @@ class LlamaLike:
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.gqa = self.heads != self.kv_heads  # a bool here: compiled code must not see it as symbolic
         self.dtype = next(model.parameters()).dtype
 
     def cache_shape(self, rows: int, max_len: int) -> CacheShape:
@@ -143,7 +145,7 @@ class LlamaLike:
             v = attn.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             wanted = scores if batch.scores and index == last else None
-            out = _attend(q, cache, index, k, v, batch, attn.scaling, wanted)
+            out = _attend(q, cache, index, k, v, batch, attn.scaling, wanted, self.gqa)
             hidden = hidden + attn.o_proj(out)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return ForwardOutput(self.norm(hidden), scores[0] if scores else None)

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 
 import grpc
+import torch
 from transformers.utils import logging as hf_logging
 
 from specwire import serving, telemetry
@@ -28,6 +29,8 @@ def load_engine(
     """The model named by `--model`, or the role's embedded demo model (with its Medusa heads,
     when it has them and no `--medusa` says otherwise), warmed up."""
     hf_logging.disable_progress_bar()  # a service's log is no place for progress bars
+    if config.threads:
+        torch.set_num_threads(config.threads)
     lm = CausalLM.load(
         config.model or default_model,
         device=config.device,

@@ -1,8 +1,10 @@
 """One preallocated KV cache per model service, in rows that sessions own.
 
-Keys and values of every layer live in two tensors `[layers, rows + 1, kv_heads, max_len + SLACK,
-head_dim]`. The extra row and positions are scratch space for a batch's padding: a padded forward
-writes every token it computes, so no write depends on the data (which compiled code wants).
+Keys and values live in one tensor per layer and kind, `[rows + 1, kv_heads, max_len + SLACK,
+head_dim]`: separate tensors, so compiled code writes a layer's slots in place (a write into a
+view of one all-layer tensor makes `torch.compile` copy the whole cache on every step). The
+extra row and positions are scratch space for a batch's padding: a padded forward writes every
+token it computes, so no write depends on the data (which compiled code wants).
 A session owns one row per branch; a row's *length* says how many leading positions hold valid
 keys, so truncation is a length change. Fork and reorder copy rows. Rows return to the free
 pool when the session closes, however its stream ended. When no row is free, a caller waits —
@@ -61,11 +63,11 @@ class SlotCache:
     def __init__(self, shape: CacheShape, device: torch.device, max_waiting: int = 64) -> None:
         self.shape = shape
         self.device = device
-        size = (shape.layers, shape.rows + 1, shape.kv_heads, shape.max_len + SLACK, shape.head_dim)
+        size = (shape.rows + 1, shape.kv_heads, shape.max_len + SLACK, shape.head_dim)
         self.scratch_row = shape.rows  # padding rows of a batch read and write here
         # Zeros, not garbage: a padded slot is masked out of attention, but 0 × NaN would not be.
-        self.keys = torch.zeros(size, dtype=shape.dtype, device=device)
-        self.values = torch.zeros(size, dtype=shape.dtype, device=device)
+        self.keys = [torch.zeros(size, dtype=shape.dtype, device=device) for _ in range(shape.layers)]
+        self.values = [torch.zeros(size, dtype=shape.dtype, device=device) for _ in range(shape.layers)]
         self.lengths = [0] * (shape.rows + 1)
         self._free = list(range(shape.rows - 1, -1, -1))  # pop() hands out low rows first
         self._changed = threading.Condition()
@@ -135,9 +137,9 @@ class SlotCache:
         if length:
             src = torch.tensor(sources, device=self.device)
             dst = torch.tensor(targets, device=self.device)
-            for store in (self.keys, self.values):
-                view = store[:, :, :, :length]
-                view.index_copy_(1, dst, view.index_select(1, src))  # index_select copies first
+            for store in self.keys + self.values:
+                view = store[:, :, :length]
+                view.index_copy_(0, dst, view.index_select(0, src))  # index_select copies first
         lengths = [self.lengths[row] for row in sources]
         for row, kept in zip(targets, lengths, strict=True):
             self.lengths[row] = kept
@@ -150,7 +152,7 @@ class SlotCache:
         """
         if kept != list(range(len(kept))):
             index = torch.tensor([start + k for k in kept], device=self.device)
-            for store in (self.keys, self.values):
-                picked = store[:, row].index_select(2, index)  # [layers, kv_heads, len(kept), head_dim]
-                store[:, row, :, start : start + len(kept)] = picked
+            for store in self.keys + self.values:
+                picked = store[row].index_select(1, index)  # [kv_heads, len(kept), head_dim]
+                store[row, :, start : start + len(kept)] = picked
         self.lengths[row] = start + len(kept)

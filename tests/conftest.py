@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,9 @@ from tests.harness import LoopThread, Stack, start_model_server, start_orchestra
 from tests.tiny import build_tokenizer, save_gpt2, save_llama
 
 torch.set_num_threads(2)
+# Engines and services started by the tests serve eagerly (a compile per service would cost the
+# suite minutes); the compiled forward has tests of its own, which ask for it.
+os.environ["SPECWIRE_COMPILE"] = "off"
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,8 @@ from specwire.orchestrator.models import LocalModel
 from specwire.batching import ForwardJob, score_selection
 from specwire.engine import CausalLM, Engine, EngineLimits, SlotKV
 from specwire.errors import ResourceExhausted
-from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
+from specwire.processing import ProcessingConfig
+from specwire.session import Extras, OpenRequest, ScoreKind, Scoring, StepRequest
 from tests.conftest import hf_model
 from tests.harness import Stack
 from tests.tiny import save_qwen2
@@ -278,3 +279,47 @@ def test_a_forward_that_fails_to_compile_is_served_eagerly(
     session = lean.new_session()
     result = session.open(OpenRequest(prompt_ids=[5, 17, 42], scoring=Scoring(ScoreKind.ARGMAX)))
     assert result.scores is not None and result.scores.rows == 1
+
+
+def test_compiled_forward_serves_concurrent_sessions_like_the_eager_one(llama_target_dir: Path) -> None:
+    """`--compile on` (CPU: one set of graphs over symbolic shapes): six sessions at once —
+    greedy and seeded sampling rounds, a repetition penalty, two branches, and entropix's
+    attention statistics — choose the tokens their solo runs on the eager engine choose, with
+    logits and statistics equal to 1e-5 (compiled reductions are not bit-identical)."""
+    compiled = engine(llama_target_dir, max_batch_rows=8, max_cache_len=96, compile="on")
+    eager = engine(llama_target_dir, max_batch_rows=8, max_cache_len=96, compile="off")
+    assert compiled.scheduler is not None and compiled.scheduler._compiled is not None
+    measured = Scoring(ScoreKind.LOGITS, extras=Extras(True, True, True))
+
+    def run(backend: Engine, index: int) -> tuple[list[int], torch.Tensor, list[float]]:
+        session = backend.new_session()
+        prompt = [(7 * index + 3 * i) % 500 + 1 for i in range(3 + 4 * index)]
+        processing = ProcessingConfig(repetition_penalty=1.3) if index == 2 else ProcessingConfig()
+        branches = 2 if index == 3 else 1
+        opened = session.open(OpenRequest(prompt, processing, branches, Scoring(ScoreKind.LOGITS, positions=2)))
+        assert opened.scores is not None and opened.scores.dense is not None
+        tokens: list[int] = []
+        stats: list[float] = []
+        for round_ in range(4):
+            if index == 5:  # entropix: one scored step at a time, with the attention statistics
+                step = session.step(StepRequest(append_ids=[round_ + 11], scoring=measured))
+                assert step.scores is not None and step.scores.metrics is not None
+                metrics = step.scores.metrics
+                assert metrics.attention is not None
+                stats += [*metrics.entropy.tolist(), *metrics.attention.entropy.tolist()]
+                continue
+            step = session.step(StepRequest(propose=2 + round_, propose_greedy=index % 2 == 0,
+                                            propose_seed=100 * index + round_, propose_ids_only=True))
+            assert step.proposed_ids is not None
+            tokens += step.proposed_ids.reshape(-1).tolist()
+        session.close()
+        return tokens, opened.scores.dense, stats
+
+    solo = [run(eager, index) for index in range(6)]
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        together = list(pool.map(lambda index: run(compiled, index), range(6)))
+    for (tokens, logits, stats), (alone_tokens, alone_logits, alone_stats) in zip(together, solo, strict=True):
+        assert tokens == alone_tokens
+        torch.testing.assert_close(logits, alone_logits, atol=1e-5, rtol=1e-5)
+        assert stats == pytest.approx(alone_stats, rel=1e-5, abs=1e-5)
+    assert compiled.cache is not None and compiled.cache.usage().rows_in_use == 0
