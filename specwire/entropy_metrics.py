@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 LOG2_E = 1.4426950408889634  # log₂(x) = ln(x) · log₂(e)
-MIN_LOG2 = -1e4  # log₂ p below this is p = 0 in float32 (and keeps 0 · log 0 at 0, not NaN)
+MAX_SURPRISAL = 1e4  # −log₂ p above this is p = 0 in float32 (and keeps 0 · log 0 at 0, not NaN)
 
 
 @dataclass
@@ -42,16 +42,16 @@ class AttentionStats:
 def token_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Entropy and varentropy (bits) of softmax(logits). logits: [..., vocab] → two [...] float32.
 
-    With ℓ = log₂ p: H = −Σ p ℓ, V = Σ p (ℓ + H)², two passes (the one-pass Σ p ℓ² − H² loses
-    digits to cancellation once H² ≫ V). −inf logits (masked ids) contribute 0: ℓ is clamped at
-    −10⁴, where float32 p = 2^ℓ is 0 already. One log-softmax and in-place updates of its result:
-    on a small model each op's fixed cost, not its arithmetic, is what a decode step pays.
+    With the surprisal s = −log₂ p: H = Σ p s, V = Σ p (s − H)², two passes (the one-pass
+    Σ p s² − H² loses digits to cancellation once H² ≫ V). −inf logits (masked ids) contribute 0:
+    s is clamped at 10⁴, where p is 0. Few ops, in place where they can be: on a small model a
+    decode step pays each op's fixed cost far more than its arithmetic.
     """
-    log2_p = torch.log_softmax(logits, dim=-1, dtype=torch.float32).mul_(LOG2_E).clamp_(min=MIN_LOG2)  # [..., vocab]
-    p = torch.exp2(log2_p)
-    neg_entropy = torch.linalg.vecdot(p, log2_p)  # [...], Σ p ℓ = −H
-    varentropy = torch.linalg.vecdot(p, log2_p.sub_(neg_entropy.unsqueeze(-1)).square_())  # ℓ − (−H)
-    return neg_entropy.neg_(), varentropy
+    surprisal = torch.log_softmax(logits, dim=-1, dtype=torch.float32).mul_(-LOG2_E).clamp_(max=MAX_SURPRISAL)
+    p = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [..., vocab]
+    entropy = torch.linalg.vecdot(p, surprisal)  # [...]
+    varentropy = torch.linalg.vecdot(p, surprisal.sub_(entropy.unsqueeze(-1)).square_())
+    return entropy, varentropy
 
 
 def attention_scores(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
