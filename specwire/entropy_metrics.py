@@ -88,7 +88,8 @@ def attention_stats(scores: torch.Tensor, valid: torch.Tensor | None) -> Attenti
         scores.masked_fill_(invalid, float("-inf"))
     p = torch.softmax(scores, dim=-1)  # [rows, heads, keys]
     head_entropy = torch.special.entr(p).sum(dim=-1).mul_(LOG2_E)  # [rows, heads], −Σ p ln p (0 ln 0 = 0), in bits
-    agreement = torch.linalg.vector_norm(p - p.mean(dim=1, keepdim=True), 1, dim=(1, 2)).div_(count)
+    centred = torch.sub(p, p.sum(dim=1, keepdim=True), alpha=1 / heads)  # p_h − mean_h p_h
+    agreement = torch.linalg.vector_norm(centred, 1, dim=(1, 2)).div_(count)
     varentropy, entropy = torch.var_mean(head_entropy, dim=-1, correction=0)
     return AttentionStats(entropy=entropy, varentropy=varentropy, agreement=agreement, interaction_strength=strength)
 
