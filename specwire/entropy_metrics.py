@@ -73,23 +73,22 @@ def attention_stats(scores: torch.Tensor, valid: torch.Tensor | None) -> Attenti
 
     scores: [rows, heads, keys] pre-softmax (any value, −inf included, where `valid` is False);
     valid: [rows, keys] bool (at least one True per row), or None when every key is attended to
-    (the last new token of a causal step). Masked keys get p = 0 in every head, so they add
-    nothing to the entropies or to the agreement's sum; the means divide by heads × valid keys.
+    (the last new token of a causal step). Few ops, in place where they can be: on a small model
+    a decode step pays each op's fixed cost far more than its arithmetic.
     """
     heads = scores.shape[1]
-    if valid is None:
-        count: torch.Tensor | int = heads * scores.shape[-1]
-        strength = torch.linalg.vector_norm(scores, 1, dim=(1, 2)).div_(count)  # [rows], mean |s|
-    else:
-        count = valid.sum(dim=-1).mul_(heads)  # [rows]
+    if valid is None:  # means over heads × keys
+        strength = scores.abs().mean(dim=(1, 2))  # [rows]
+    else:  # sums over the valid keys, divided by heads × their count
         invalid = ~valid.unsqueeze(1)  # [rows, 1, keys]
-        scores = scores.masked_fill(invalid, 0.0)  # a copy: −inf-safe |s| first, then −inf for softmax
-        strength = torch.linalg.vector_norm(scores, 1, dim=(1, 2)).div_(count)
+        count = valid.sum(dim=-1).mul_(heads)  # [rows]
+        scores = scores.masked_fill(invalid, 0.0)  # a copy: −inf-safe |s| first, then −inf for the softmax
+        strength = torch.linalg.vector_norm(scores, 1, dim=(1, 2)).div_(count)  # Σ |s| / count
         scores.masked_fill_(invalid, float("-inf"))
-    p = torch.softmax(scores, dim=-1)  # [rows, heads, keys]
+    p = torch.softmax(scores, dim=-1)  # [rows, heads, keys]; masked keys: 0 in every head, adding nothing below
     head_entropy = torch.special.entr(p).sum(dim=-1).mul_(LOG2_E)  # [rows, heads], −Σ p ln p (0 ln 0 = 0), in bits
-    centred = torch.sub(p, p.sum(dim=1, keepdim=True), alpha=1 / heads)  # p_h − mean_h p_h
-    agreement = torch.linalg.vector_norm(centred, 1, dim=(1, 2)).div_(count)
+    spread = torch.sub(p, p.sum(dim=1, keepdim=True), alpha=1 / heads).abs_()  # |p_h − mean_h p_h|
+    agreement = spread.mean(dim=(1, 2)) if valid is None else spread.sum(dim=(1, 2)).div_(count)
     varentropy, entropy = torch.var_mean(head_entropy, dim=-1, correction=0)
     return AttentionStats(entropy=entropy, varentropy=varentropy, agreement=agreement, interaction_strength=strength)
 
