@@ -527,10 +527,12 @@ class SlotKV:
             return job.logits, None
         scores = job.attention_scores
         assert scores is not None  # [branches, heads, positions, keys], −inf where not attended to
-        rows = scores.transpose(1, 2).flatten(0, 1)  # [branches·positions, heads, keys]
-        # The last new token attends to every slot; earlier ones are causally masked.
-        valid = None if positions == 1 else torch.isfinite(rows[:, 0])  # [branches·positions, keys]
-        return job.logits, attention_stats(rows, valid)
+        with torch.inference_mode():  # as the forward was: the metrics' ops skip autograd's bookkeeping
+            if positions == 1:  # the last new token attends to every slot
+                return job.logits, attention_stats(scores[:, :, 0], None)
+            rows = scores.transpose(1, 2).flatten(0, 1)  # [branches·positions, heads, keys]
+            # Earlier tokens are causally masked.
+            return job.logits, attention_stats(rows, torch.isfinite(rows[:, 0]))
 
     def decode(
         self, tokens: torch.Tensor, start: int, steps: int, pick: Callable[[torch.Tensor], torch.Tensor | None]
@@ -856,7 +858,8 @@ class EngineSession:
             logits, attention = self._forward_measured(positions, more, extras.attention_stats)  # [branches, positions, vocab]
         metrics = None
         if extras.wanted:  # of the raw distribution, before any processor, on the device
-            entropy, varentropy = token_entropy(logits.flatten(0, 1))  # [branches·positions] each
+            with torch.inference_mode():
+                entropy, varentropy = token_entropy(logits.flatten(0, 1))  # [branches·positions] each
             metrics = PositionMetrics(entropy, varentropy, attention)
         scores = self._encode_scores(scoring, self._process_positions(scoring, logits, tree), score_ids)
         scores.metrics = metrics

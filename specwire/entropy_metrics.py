@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 LOG2_E = 1.4426950408889634  # log₂(x) = ln(x) · log₂(e)
-MIN_LOG2 = -1e4  # log p below this is p = 0 in float32 (and keeps 0 · log 0 at 0, not NaN)
+MAX_SURPRISAL = 1e4  # −log₂ p above this is p = 0 in float32 (and keeps 0 · log 0 at 0, not NaN)
 
 
 @dataclass
@@ -42,14 +42,16 @@ class AttentionStats:
 def token_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Entropy and varentropy (bits) of softmax(logits). logits: [..., vocab] → two [...] float32.
 
-    H = −Σ p log₂ p; V = Σ p (log₂ p + H)², computed in nats and converted (× log₂e, × log₂²e).
-    −inf logits (masked ids) contribute 0: log p is clamped at −10⁴, where float32 p is 0 already.
+    With the surprisal s = −log₂ p: H = Σ p s, V = Σ p (s − H)², two passes (the one-pass
+    Σ p s² − H² loses digits to cancellation once H² ≫ V). −inf logits (masked ids) contribute 0:
+    s is clamped at 10⁴, where p is 0. Few ops, in place where they can be: on a small model a
+    decode step pays each op's fixed cost far more than its arithmetic.
     """
-    ln_p = torch.log_softmax(logits.float(), dim=-1).clamp(min=MIN_LOG2)  # [..., vocab], natural log
-    p = ln_p.exp()
-    entropy = -(p * ln_p).sum(dim=-1, keepdim=True)  # [..., 1], nats
-    varentropy = (p * (ln_p + entropy).square()).sum(dim=-1)  # nats²
-    return entropy.squeeze(-1) * LOG2_E, varentropy * (LOG2_E * LOG2_E)
+    surprisal = torch.log_softmax(logits, dim=-1, dtype=torch.float32).mul_(-LOG2_E).clamp_(max=MAX_SURPRISAL)
+    p = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [..., vocab]
+    entropy = torch.linalg.vecdot(p, surprisal)  # [...]
+    varentropy = torch.linalg.vecdot(p, surprisal.sub_(entropy.unsqueeze(-1)).square_())
+    return entropy, varentropy
 
 
 def attention_scores(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -58,10 +60,12 @@ def attention_scores(query: torch.Tensor, key: torch.Tensor, scaling: float) -> 
     query: [batch, heads, q_len, d]; key: [batch, kv_heads, k_len, d] → [batch, heads, q_len, k_len] float32.
     """
     batch, heads, q_len, dim = query.shape
-    kv_heads = key.shape[1]
-    grouped = query.float().reshape(batch, kv_heads, (heads // kv_heads) * q_len, dim)  # heads of a group stacked
-    scores = torch.matmul(grouped, key.float().transpose(-1, -2)) * scaling  # [batch, kv_heads, g·q_len, k_len]
-    return scores.reshape(batch, heads, q_len, key.shape[2])
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    if query.dtype != torch.float32 or key.dtype != torch.float32:
+        query, key = query.float(), key.float()
+    grouped = query.reshape(batch * kv_heads, (heads // kv_heads) * q_len, dim)  # heads of a group stacked
+    scores = torch.bmm(grouped, key.reshape(batch * kv_heads, k_len, dim).mT).mul_(scaling)  # [batch·kv_heads, g·q_len, k_len]
+    return scores.view(batch, heads, q_len, k_len)
 
 
 def attention_stats(scores: torch.Tensor, valid: torch.Tensor | None) -> AttentionStats:
@@ -69,19 +73,22 @@ def attention_stats(scores: torch.Tensor, valid: torch.Tensor | None) -> Attenti
 
     scores: [rows, heads, keys] pre-softmax (any value, −inf included, where `valid` is False);
     valid: [rows, keys] bool (at least one True per row), or None when every key is attended to
-    (the last new token of a causal step).
+    (the last new token of a causal step). Few ops, in place where they can be: on a small model
+    a decode step pays each op's fixed cost far more than its arithmetic.
     """
     heads = scores.shape[1]
-    if valid is None:
-        keys: torch.Tensor | int = scores.shape[-1]
+    if valid is None:  # means over heads × keys
         strength = scores.abs().mean(dim=(1, 2))  # [rows]
-    else:
-        keys = valid.sum(dim=-1)  # [rows]
-        strength = scores.abs().masked_fill(~valid.unsqueeze(1), 0.0).sum(dim=(1, 2)) / (heads * keys)  # −inf-safe
-        scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    else:  # sums over the valid keys, divided by heads × their count
+        invalid = ~valid.unsqueeze(1)  # [rows, 1, keys]
+        count = valid.sum(dim=-1).mul_(heads)  # [rows]
+        scores = scores.masked_fill(invalid, 0.0)  # a copy: −inf-safe |s| first, then −inf for the softmax
+        strength = torch.linalg.vector_norm(scores, 1, dim=(1, 2)).div_(count)  # Σ |s| / count
+        scores.masked_fill_(invalid, float("-inf"))
     p = torch.softmax(scores, dim=-1)  # [rows, heads, keys]; masked keys: 0 in every head, adding nothing below
-    head_entropy = torch.special.entr(p).sum(dim=-1) * LOG2_E  # [rows, heads], −Σ p ln p (0 ln 0 = 0), in bits
-    agreement = (p - p.mean(dim=1, keepdim=True)).abs().sum(dim=(1, 2)) / (heads * keys)
+    head_entropy = torch.special.entr(p).sum(dim=-1).mul_(LOG2_E)  # [rows, heads], −Σ p ln p (0 ln 0 = 0), in bits
+    spread = torch.sub(p, p.sum(dim=1, keepdim=True), alpha=1 / heads).abs_()  # |p_h − mean_h p_h|
+    agreement = spread.mean(dim=(1, 2)) if valid is None else spread.sum(dim=(1, 2)).div_(count)
     varentropy, entropy = torch.var_mean(head_entropy, dim=-1, correction=0)
     return AttentionStats(entropy=entropy, varentropy=varentropy, agreement=agreement, interaction_strength=strength)
 
