@@ -118,18 +118,20 @@ class Scheduler:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             if cuda:
                 self._compiled = torch.compile(self.model.forward, mode="reduce-overhead")
-                shapes = [(rows, 1, False) for rows in (1, 2, 4, 8)]
+                shapes = [(rows, 1, 1, False) for rows in (1, 2, 4, 8)]
             else:
-                # Sizes of 1 are specialised: four graphs cover rows 1 / more × tokens 1 / more,
-                # a fifth a lone decode step with attention scores (entropix). Rarer mixes with
-                # scores compile when first met.
+                # Sizes of 1 are specialised: four graphs cover rows 1 / more × tokens 1 / more;
+                # three more one session's entropix steps with attention scores (a decode step,
+                # a prompt scored at its last token, a verification scored at every token).
+                # Rarer mixes with scores compile when first met.
                 self._compiled = torch.compile(self.model.forward, dynamic=True)
-                shapes = [(1, 1, False), (3, 1, False), (1, 3, False), (3, 3, False), (1, 1, True)]
+                shapes = [(1, 1, 1, False), (3, 1, 1, False), (1, 3, 1, False), (3, 3, 1, False),
+                          (1, 1, 1, True), (1, 3, 1, True), (1, 3, 3, True)]
             scratch = self.cache.scratch_row
-            for rows, tokens, scores in shapes:
+            for rows, tokens, keep, scores in shapes:
                 # From slot 2 on: a job at slot 0 would look at one slot, and specialise that too.
                 tokens_in = torch.zeros((rows, tokens), dtype=torch.long)
-                self._forward([ForwardJob([scratch] * rows, tokens_in, 2, 1, want_attention=scores)])
+                self._forward([ForwardJob([scratch] * rows, tokens_in, 2, keep, want_attention=scores)])
         except Exception as error:  # any compiler failure: serve eagerly
             self._compiled = None
             log.warning("torch.compile failed, serving eagerly: %s: %s", type(error).__name__, error)
