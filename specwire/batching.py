@@ -288,7 +288,9 @@ class Scheduler:
             for row in job.rows:
                 self.cache.lengths[row] = job.start + n
             first += count
-        if out.attention_scores is not None:  # rows of the asking jobs, in job order
+        if out.attention_scores is not None and len(jobs) == 1 and batch.score_rows is None:
+            jobs[0].attention_scores = out.attention_scores  # a lone job scored whole: nothing to cut
+        elif out.attention_scores is not None:  # rows of the asking jobs, in job order
             scored = 0
             for job in jobs:
                 if job.want_attention:
@@ -296,7 +298,8 @@ class Scheduler:
                     chosen = out.attention_scores[scored : scored + count]  # [rows, heads, K, L]
                     job.attention_scores = chosen[:, :, chosen.shape[2] - job.keep :, : job.start + job.new_tokens]
                     scored += count
-        logits = self.model.logits(torch.cat(picked)).float()  # [Σ rows·keep, vocab]
+        hidden = picked[0] if len(picked) == 1 else torch.cat(picked)
+        logits = self.model.logits(hidden).float()  # [Σ rows·keep, vocab]
         offset = 0
         for job in jobs:
             size = len(job.rows) * job.keep
