@@ -21,6 +21,7 @@ from specwire.target_service import train_medusa
 from specwire.v1 import orchestrator_pb2
 
 from specwire import __version__
+from specwire.config import compile_default
 from specwire.extras import require
 
 # Generation flags: (flag, type, help). The SDK keyword is the flag with underscores.
@@ -60,7 +61,7 @@ def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: i
         help="batched: slot cache and cross-session batching; hf: transformers' forward, one session at a time",
     )
     parser.add_argument(
-        "--compile", default=os.environ.get("SPECWIRE_COMPILE", "auto"), choices=["auto", "on", "off"],
+        "--compile", default=compile_default(), choices=["auto", "on", "off"],
         help="torch.compile the batched forward (CUDA graphs on CUDA); auto = where measured to pay "
         "(default: $SPECWIRE_COMPILE, else auto)",
     )

@@ -170,7 +170,7 @@ class Stack:
             raise RuntimeError("the delay proxy fronts one target replica: use --rtt-ms etc. with --target-replicas 1")
         self._log_dir = log_dir
         # The model services share this machine's cores: each gets its part, so no service's
-        # threads spin on a core another one needs (on 2 cores that cut a decode round by 20%).
+        # threads spin on a core another one needs (on 2 cores that cut a compiled greedy round from 5.8–6.2 to 5.0 ms).
         threads = max(1, (os.cpu_count() or 1) // (c.target_replicas + 1))
         model_args = ["--device", c.device, "--dtype", c.dtype, "--host", c.host, "--threads", str(threads)]
         target_tls, draft_tls, orchestrator_tls = _tls_args(c)

@@ -32,7 +32,6 @@ log = logging.getLogger("specwire")
 PREFILL_CHUNK = 64
 
 
-
 @dataclass
 class ForwardJob:
     """Rows of one session with the same new-token count. Results are filled in by the scheduler."""
@@ -105,11 +104,11 @@ class Scheduler:
 
         CPU: graphs over symbolic shapes (rows, new tokens, slots looked at), so batches of any
         size run compiled code without recompiling; torch specialises sizes of 1, hence a few
-        graphs (see below). Its code is 4–6 µs per kernel, not bit-identical to eager (fused
-        reductions): tokens equal, logits to ~1e-6. CUDA: CUDA graphs, which
-        want static shapes, so rows are padded to powers of two and slots to multiples of 64,
-        one graph per bucket (decode at 1, 2, 4, 8 rows compiled now). The compiled code is
-        cached on disk (TORCHINDUCTOR_CACHE_DIR) for the next start.
+        graphs (see below). Compiled arithmetic is not bit-identical to eager (fused
+        reductions): tokens equal, logits to ~1e-6. CUDA: CUDA graphs, which want static
+        shapes, so rows are padded to powers of two and slots to multiples of 64, one graph per
+        bucket (decode at 1, 2, 4, 8 rows compiled now). The compiled code is cached on disk
+        (TORCHINDUCTOR_CACHE_DIR) for the next start.
         """
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "specwire" / "inductor"))
         cuda = self.device.type == "cuda"
@@ -288,9 +287,7 @@ class Scheduler:
             for row in job.rows:
                 self.cache.lengths[row] = job.start + n
             first += count
-        if out.attention_scores is not None and len(jobs) == 1 and batch.score_rows is None:
-            jobs[0].attention_scores = out.attention_scores  # a lone job scored whole: nothing to cut
-        elif out.attention_scores is not None:  # rows of the asking jobs, in job order
+        if out.attention_scores is not None:  # rows of the asking jobs, in job order
             scored = 0
             for job in jobs:
                 if job.want_attention:
@@ -298,8 +295,7 @@ class Scheduler:
                     chosen = out.attention_scores[scored : scored + count]  # [rows, heads, K, L]
                     job.attention_scores = chosen[:, :, chosen.shape[2] - job.keep :, : job.start + job.new_tokens]
                     scored += count
-        hidden = picked[0] if len(picked) == 1 else torch.cat(picked)
-        logits = self.model.logits(hidden).float()  # [Σ rows·keep, vocab]
+        logits = self.model.logits(torch.cat(picked)).float()  # [Σ rows·keep, vocab]
         offset = 0
         for job in jobs:
             size = len(job.rows) * job.keep

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from specwire.security import ClientTLS, ServerTLS
+
+
+def compile_default() -> str:
+    """`--compile` / `EngineLimits.compile` unless given: $SPECWIRE_COMPILE, else "auto". (The
+    test suite sets "off": a compile per test service would cost it minutes.)"""
+    return os.environ.get("SPECWIRE_COMPILE", "auto")
 
 
 @dataclass(frozen=True)
@@ -33,7 +40,8 @@ class ModelServiceConfig:
     max_cache_len: int = 0
     max_queued_sessions: int = 64
     engine: str = "batched"  # "batched" (slot cache, batching scheduler) or "hf" (transformers' forward)
-    compile: str = "auto"  # torch.compile of the batched forward: auto (where it pays), on, off
+    # torch.compile of the batched forward: auto (where it pays), on, off; see compile_default
+    compile: str = field(default_factory=compile_default)
     threads: int = 0  # torch's intra-op threads; 0 = torch's default (every core)
     drafter: str = "model"  # draft only: "model" or "ngram"
     ngram_max: int = 3  # n-gram drafter: longest n-gram matched

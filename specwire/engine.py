@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from specwire import attention_probe
 from specwire.acceptance import accept_draft
 from specwire.batching import ForwardJob, Scheduler
+from specwire.config import compile_default
 from specwire.entropy_metrics import AttentionStats, PositionMetrics, attention_stats, token_entropy
 from specwire.errors import InvalidArgument, StatusError, check_token_ids
 from specwire.lean_forward import LeanModel, lean_model
@@ -57,12 +58,6 @@ MAX_BRANCHES = 64
 # Device types where `--compile auto` compiles: where a measurement showed it pays. CPU: the
 # demo target's server-side decode round took 23% less time compiled (README, "Compiled steps").
 COMPILE_PAYS_ON: frozenset[str] = frozenset({"cpu"})
-
-
-def compile_default() -> str:
-    """`--compile` / `EngineLimits.compile` unless given: $SPECWIRE_COMPILE, else "auto". (The
-    test suite sets "off": a compile per test service would cost it minutes.)"""
-    return os.environ.get("SPECWIRE_COMPILE", "auto")
 MAX_PROPOSE = 64
 
 
@@ -792,13 +787,19 @@ class EngineSession:
         `more`: another forward of this message follows right away."""
         return self._forward_measured(positions, more, attention=False)[0]
 
+    def _uncached_start(self, positions: int) -> int:
+        """Where the next forward starts so that it covers the tokens not yet cached and at least
+        the last `positions`; the cache is cut back there when it holds more."""
+        start = min(self.kv.cached, self.length - positions)
+        if start < self.kv.cached:
+            self.kv.crop(start)
+        return start
+
     def _forward_measured(
         self, positions: int, more: bool, attention: bool
     ) -> tuple[torch.Tensor, AttentionStats | None]:
         """`_forward`, and with `attention` the positions' attention statistics from the same pass."""
-        start = min(self.kv.cached, self.length - positions)
-        if start < self.kv.cached:
-            self.kv.crop(start)
+        start = self._uncached_start(positions)
         logits, stats = self.kv.forward(self.tokens, start, positions, more, attention)
         self.forward_calls += 1
         return logits, stats
@@ -807,9 +808,7 @@ class EngineSession:
         """One branch: logits [1, positions, vocab] and final hidden states [positions, hidden]
         of the last `positions` tokens. The tokens not yet cached form a chain, then (when `tree`
         is given) the tree's nodes, whose parents index the tree."""
-        start = min(self.kv.cached, self.length - positions)
-        if start < self.kv.cached:
-            self.kv.crop(start)
+        start = self._uncached_start(positions)
         chain = self.length - start - (len(tree) if tree else 0)
         parents = list(range(-1, chain - 1))  # [pending] the chain of uncached committed tokens
         parents += [chain - 1 if p < 0 else chain + p for p in tree or []]
@@ -1004,10 +1003,7 @@ class EngineSession:
             self.tokens = torch.cat([self.tokens, drawn[-1]], dim=1)
             return drawn[-1]
 
-        start = min(self.kv.cached, self.length - 1)
-        if start < self.kv.cached:
-            self.kv.crop(start)
-        self.forward_calls += self.kv.decode(self.tokens, start, count, pick)
+        self.forward_calls += self.kv.decode(self.tokens, self._uncached_start(1), count, pick)
         proposed = torch.cat(drawn, dim=1).to(torch.int32)
         if greedy:
             return proposed, None
