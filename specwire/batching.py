@@ -16,12 +16,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from specwire.entropy_metrics import AttentionStats, PositionMetrics
 from specwire.lean_forward import ForwardBatch, ForwardOutput, LeanModel
 from specwire.slot_cache import SlotCache
 
@@ -43,7 +43,7 @@ class ForwardJob:
     positions: torch.Tensor | None = None  # [rows, n]; None = start + arange(n)
     tree_mask: torch.Tensor | None = None  # [n, n] bool: new token i sees new token j; None = causal
     want_hidden: bool = False
-    want_attention: bool = False  # the last layer's scores of the `keep` tokens (entropix)
+    want_metrics: bool = False  # entropix's metrics of the `keep` tokens (`PositionMetrics`)
     owner: object = None  # the session the job comes from
     more: bool = False  # the owner sends its next job right after this one
     # A decode round: up to `steps` forwards. After each, `pick(logits [rows, vocab] of the last
@@ -55,9 +55,9 @@ class ForwardJob:
     # results
     logits: torch.Tensor | None = None  # [rows, keep, vocab] float32
     hidden: torch.Tensor | None = None  # [rows, n, hidden]
-    # [rows, heads, keep, start + n] float32: the last layer's pre-softmax scores of the `keep`
-    # tokens whose logits are returned, over every slot of the row, −inf where not attended to.
-    attention_scores: torch.Tensor | None = None
+    # With `want_metrics`: token entropy, varentropy and the last layer's attention statistics
+    # of the `keep` tokens whose logits are returned, each [rows, keep].
+    metrics: PositionMetrics | None = None
     error: BaseException | None = None
     done: bool = False
     _wake: threading.Event = field(default_factory=threading.Event)  # done, or told to lead
@@ -119,18 +119,18 @@ class Scheduler:
                 self._compiled = torch.compile(self.model.forward, mode="reduce-overhead")
                 shapes = [(rows, 1, 1, False) for rows in (1, 2, 4, 8)]
             else:
-                # Sizes of 1 are specialised: four graphs cover rows 1 / more × tokens 1 / more;
-                # three more one session's entropix steps with attention scores (a decode step,
-                # a prompt scored at its last token, a verification scored at every token).
-                # Rarer mixes with scores compile when first met.
+                # Sizes of 1 are specialised: five graphs cover rows 1 / more × tokens 1 / more ×
+                # logits 1 / more; three more one session's entropix steps with its metrics (a
+                # decode step, a prompt scored at its last token, a verification scored at every
+                # token). Rarer mixes with metrics compile when first met.
                 self._compiled = torch.compile(self.model.forward, dynamic=True)
-                shapes = [(1, 1, 1, False), (3, 1, 1, False), (1, 3, 1, False), (3, 3, 1, False),
-                          (1, 1, 1, True), (1, 3, 1, True), (1, 3, 3, True)]
+                shapes = [(1, 1, 1, False), (3, 1, 1, False), (1, 3, 1, False), (1, 3, 3, False),
+                          (3, 3, 1, False), (1, 1, 1, True), (1, 3, 1, True), (1, 3, 3, True)]
             scratch = self.cache.scratch_row
-            for rows, tokens, keep, scores in shapes:
+            for rows, tokens, keep, metrics in shapes:
                 # From slot 2 on: a job at slot 0 would look at one slot, and specialise that too.
                 tokens_in = torch.zeros((rows, tokens), dtype=torch.long)
-                self._forward([ForwardJob([scratch] * rows, tokens_in, 2, keep, want_attention=scores)])
+                self._forward([ForwardJob([scratch] * rows, tokens_in, 2, keep, want_metrics=metrics)])
         except Exception as error:  # any compiler failure: serve eagerly
             self._compiled = None
             log.warning("torch.compile failed, serving eagerly: %s: %s", type(error).__name__, error)
@@ -177,26 +177,25 @@ class Scheduler:
     def _run_chunked(self, job: ForwardJob) -> ForwardJob:
         """A long prefill as a sequence of PREFILL_CHUNK-token jobs, batched with the others."""
         n = job.new_tokens
-        scores: list[torch.Tensor] = []
+        metrics: list[PositionMetrics] = []
         for begin in range(0, n, PREFILL_CHUNK):
             end = min(n, begin + PREFILL_CHUNK)
             keep = min(end - begin, max(0, job.keep - (n - end)))  # of this chunk's tokens
-            attention = job.want_attention and keep > 0
+            wanted = job.want_metrics and keep > 0
             part = self.run(
                 ForwardJob(job.rows, job.tokens[:, begin:end], job.start + begin, max(keep, 1),
-                           want_hidden=job.want_hidden, want_attention=attention)
+                           want_hidden=job.want_hidden, want_metrics=wanted)
             )
             if part.hidden is not None:  # [rows, chunk, hidden]
                 job.hidden = part.hidden if job.hidden is None else torch.cat([job.hidden, part.hidden], 1)
             if keep > 0:
                 assert part.logits is not None
                 job.logits = part.logits[:, -keep:] if job.logits is None else torch.cat([job.logits, part.logits[:, -keep:]], 1)
-            if attention:
-                assert part.attention_scores is not None  # [rows, heads, keep, start + end]: pad to start + n
-                missing = job.start + n - part.attention_scores.shape[-1]
-                scores.append(F.pad(part.attention_scores[:, :, -keep:], (0, missing), value=float("-inf")))
-        if scores:
-            job.attention_scores = torch.cat(scores, dim=2)
+            if wanted:
+                assert part.metrics is not None  # [rows, keep] each
+                metrics.append(part.metrics)
+        if metrics:
+            job.metrics = _join_metrics(metrics)
         job.done = True
         return job
 
@@ -262,13 +261,14 @@ class Scheduler:
 
     @torch.inference_mode()
     def _forward(self, jobs: list[ForwardJob]) -> None:
-        scores = any(job.want_attention for job in jobs)
+        metrics = any(job.want_metrics for job in jobs)
         cuda = self.device.type == "cuda"
-        compiled = self._compiled is not None and not (scores and cuda)
-        batch = build_batch(jobs, self.device, self.cache.scratch_row, pad_rows=compiled and cuda,
-                            key_multiple=64 if compiled and cuda else 1)
-        if scores:
-            batch.scores = True
+        compiled = self._compiled is not None and not (metrics and cuda)
+        pad = compiled and cuda  # CUDA graphs: few static shapes
+        batch = build_batch(jobs, self.device, self.cache.scratch_row, pad_rows=pad, key_multiple=64 if pad else 1)
+        batch.logit_index = logit_index(jobs, int(batch.input_ids.shape[1]), self.device, pad)
+        if metrics:
+            batch.metrics = True
             batch.score_rows, batch.score_tokens = score_selection(jobs, self.device)
         if compiled:
             assert self._compiled is not None
@@ -276,48 +276,77 @@ class Scheduler:
             out = self._compiled(self.cache, batch)
         else:
             out = self.model.forward(self.cache, batch)
-        picked = []  # hidden states of the positions whose logits are wanted
-        first = 0
+        assert out.logits is not None
+        width = int(batch.score_tokens.shape[1]) if batch.score_tokens is not None else int(batch.input_ids.shape[1])
+        first = offset = scored = 0
         for job in jobs:
-            count, n = len(job.rows), job.new_tokens
-            hidden = out.hidden[first : first + count, :n]  # [rows, n, hidden]
-            picked.append(hidden[:, n - job.keep :].flatten(0, 1))
+            count, n, size = len(job.rows), job.new_tokens, len(job.rows) * job.keep
             if job.want_hidden:
-                job.hidden = hidden
+                job.hidden = out.hidden[first : first + count, :n]  # [rows, n, hidden]
             for row in job.rows:
                 self.cache.lengths[row] = job.start + n
+            job.logits = out.logits[offset : offset + size].view(count, job.keep, -1)
+            if job.want_metrics:
+                assert out.metrics is not None and out.metrics.attention is not None
+                # Token metrics: [P] like the logits; attention: [R·K], the asking jobs' rows in
+                # job order × K tokens, each row's last `keep` its own.
+                attention = out.metrics.attention
+                job.metrics = PositionMetrics(
+                    out.metrics.entropy[offset : offset + size].view(count, job.keep),
+                    out.metrics.varentropy[offset : offset + size].view(count, job.keep),
+                    AttentionStats(*(
+                        getattr(attention, name).view(-1, width)[scored : scored + count, width - job.keep :]
+                        for name in ATTENTION_FIELDS
+                    )),
+                )
+                scored += count
             first += count
-        if out.attention_scores is not None:  # rows of the asking jobs, in job order
-            scored = 0
-            for job in jobs:
-                if job.want_attention:
-                    count = len(job.rows)
-                    chosen = out.attention_scores[scored : scored + count]  # [rows, heads, K, L]
-                    job.attention_scores = chosen[:, :, chosen.shape[2] - job.keep :, : job.start + job.new_tokens]
-                    scored += count
-        logits = self.model.logits(torch.cat(picked)).float()  # [Σ rows·keep, vocab]
-        offset = 0
-        for job in jobs:
-            size = len(job.rows) * job.keep
-            job.logits = logits[offset : offset + size].view(len(job.rows), job.keep, -1)
             offset += size
+
+
+ATTENTION_FIELDS = [f.name for f in fields(AttentionStats)]
+
+
+def _join_metrics(parts: list[PositionMetrics]) -> PositionMetrics:
+    """Per-chunk metrics ([rows, keep] each) joined along the kept tokens."""
+    attention = [part.attention for part in parts if part.attention is not None]
+    return PositionMetrics(
+        torch.cat([part.entropy for part in parts], dim=1),
+        torch.cat([part.varentropy for part in parts], dim=1),
+        AttentionStats(*(torch.cat([getattr(a, name) for a in attention], dim=1) for name in ATTENTION_FIELDS)),
+    )
+
+
+def logit_index(jobs: list[ForwardJob], width: int, device: torch.device, pad: bool = False) -> torch.Tensor:
+    """[P] indices into the batch's flattened [B·T] new tokens: each job's rows' last `keep`
+    tokens, in job and row order. `pad` repeats index 0 up to a power of two (CUDA graphs)."""
+    index: list[int] = []
+    first = 0
+    for job in jobs:
+        n, keep = job.new_tokens, job.keep
+        for row in range(first, first + len(job.rows)):
+            index += range(row * width + n - keep, row * width + n)
+        first += len(job.rows)
+    if pad:
+        index += [0] * (bucket(len(index)) - len(index))
+    return torch.tensor(index, dtype=torch.long, device=device)
 
 
 def score_selection(
     jobs: list[ForwardJob], device: torch.device
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The batch rows ([R]) and new-token offsets ([R, K], K = the widest `keep`) whose attention
-    scores the asking jobs want: each row's last `keep` tokens, left-padded with its first.
+    statistics the asking jobs want: each row's last `keep` tokens, left-padded with its first.
     (None, None) when that is every row and token of the batch (a lone decode step, say)."""
     widest = max(job.new_tokens for job in jobs)
-    if all(job.want_attention and job.keep == job.new_tokens == widest for job in jobs):
+    if all(job.want_metrics and job.keep == job.new_tokens == widest for job in jobs):
         return None, None
     rows: list[int] = []
     tokens: list[list[int]] = []
-    width = max(job.keep for job in jobs if job.want_attention)
+    width = max(job.keep for job in jobs if job.want_metrics)
     first = 0
     for job in jobs:
-        if job.want_attention:
+        if job.want_metrics:
             n, keep = job.new_tokens, job.keep
             offsets = [n - keep] * (width - keep) + list(range(n - keep, n))
             rows += range(first, first + len(job.rows))

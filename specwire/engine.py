@@ -27,7 +27,7 @@ from specwire import attention_probe
 from specwire.acceptance import accept_draft
 from specwire.batching import ForwardJob, Scheduler
 from specwire.config import compile_default
-from specwire.entropy_metrics import AttentionStats, PositionMetrics, attention_stats, token_entropy
+from specwire.entropy_metrics import PositionMetrics, token_entropy
 from specwire.errors import InvalidArgument, StatusError, check_token_ids
 from specwire.lean_forward import LeanModel, lean_model
 from specwire.medusa import MedusaHeads, tree_attention, tree_depths, tree_path
@@ -316,11 +316,12 @@ class SessionKV(Protocol):
     def reorder(self, order: list[int]) -> None: ...
 
     def forward(
-        self, tokens: torch.Tensor, start: int, positions: int, more: bool = False, attention: bool = False
-    ) -> tuple[torch.Tensor, AttentionStats | None]:
+        self, tokens: torch.Tensor, start: int, positions: int, more: bool = False, metrics: bool = False
+    ) -> tuple[torch.Tensor, PositionMetrics | None]:
         """Logits of each branch's last `positions` tokens, [branches, positions, vocab] float32,
-        and with `attention` the last layer's attention statistics of the same [branches·positions]
-        rows (`specwire.entropy_metrics`), from the same forward pass."""
+        and with `metrics` entropix's metrics (token entropy, varentropy, the last layer's
+        attention statistics) of the same [branches·positions] rows (`specwire.entropy_metrics`),
+        from the same forward pass."""
         ...
 
     def decode(
@@ -365,8 +366,8 @@ class DynamicKV:
 
     @torch.inference_mode()
     def forward(
-        self, tokens: torch.Tensor, start: int, positions: int, more: bool = False, attention: bool = False
-    ) -> tuple[torch.Tensor, AttentionStats | None]:
+        self, tokens: torch.Tensor, start: int, positions: int, more: bool = False, metrics: bool = False
+    ) -> tuple[torch.Tensor, PositionMetrics | None]:
         """Attention statistics come from a probe on the last layer's attention function."""
         if self.cache is None:
             self.cache = DynamicCache()
@@ -374,7 +375,7 @@ class DynamicKV:
         kwargs: dict[str, Any] = {}
         if self.lm.accepts_logits_to_keep:
             kwargs["logits_to_keep"] = positions
-        with attention_probe.capture(self.lm.model, positions if attention else 0) as probe:
+        with attention_probe.capture(self.lm.model, positions if metrics else 0) as probe:
             out = self.lm.model(
                 input_ids=tokens[:, start:].to(device),
                 attention_mask=torch.ones(tokens.shape, dtype=torch.long, device=device),
@@ -383,7 +384,10 @@ class DynamicKV:
                 **kwargs,
             )
         self.cached = int(tokens.shape[1])
-        return out.logits[:, -positions:, :].float(), probe.stats if probe is not None else None
+        logits = out.logits[:, -positions:, :].float()
+        if probe is None:
+            return logits, None
+        return logits, PositionMetrics(*token_entropy(logits.flatten(0, 1)), probe.stats)
 
     def decode(
         self, tokens: torch.Tensor, start: int, steps: int, pick: Callable[[torch.Tensor], torch.Tensor | None]
@@ -511,23 +515,16 @@ class SlotKV:
             self._leave()
 
     def forward(
-        self, tokens: torch.Tensor, start: int, positions: int, more: bool = False, attention: bool = False
-    ) -> tuple[torch.Tensor, AttentionStats | None]:
+        self, tokens: torch.Tensor, start: int, positions: int, more: bool = False, metrics: bool = False
+    ) -> tuple[torch.Tensor, PositionMetrics | None]:
         """`more`: the session's next forward follows at once (the scheduler waits for it).
-        `attention`: the lean forward returns this job's last-layer scores (`ForwardJob`)."""
+        `metrics`: computed by the lean forward itself, after its LM head (`ForwardJob`)."""
         job = self.run(ForwardJob(list(self.rows), tokens[:, start:], start, positions, more=more,
-                                  want_attention=attention))
+                                  want_metrics=metrics))
         assert job.logits is not None
-        if not attention:
+        if job.metrics is None:
             return job.logits, None
-        scores = job.attention_scores
-        assert scores is not None  # [branches, heads, positions, keys], −inf where not attended to
-        with torch.inference_mode():  # as the forward was: the metrics' ops skip autograd's bookkeeping
-            if positions == 1:  # the last new token attends to every slot
-                return job.logits, attention_stats(scores[:, :, 0], None)
-            rows = scores.transpose(1, 2).flatten(0, 1)  # [branches·positions, heads, keys]
-            # Earlier tokens are causally masked.
-            return job.logits, attention_stats(rows, torch.isfinite(rows[:, 0]))
+        return job.logits, job.metrics.flattened()  # [branches, positions] → [branches·positions]
 
     def decode(
         self, tokens: torch.Tensor, start: int, steps: int, pick: Callable[[torch.Tensor], torch.Tensor | None]
@@ -785,7 +782,7 @@ class EngineSession:
     def _forward(self, positions: int, more: bool = False) -> torch.Tensor:
         """Logits for each branch's last `positions` tokens: [branches, positions, vocab] float32.
         `more`: another forward of this message follows right away."""
-        return self._forward_measured(positions, more, attention=False)[0]
+        return self._forward_measured(positions, more, metrics=False)[0]
 
     def _uncached_start(self, positions: int) -> int:
         """Where the next forward starts so that it covers the tokens not yet cached and at least
@@ -796,13 +793,13 @@ class EngineSession:
         return start
 
     def _forward_measured(
-        self, positions: int, more: bool, attention: bool
-    ) -> tuple[torch.Tensor, AttentionStats | None]:
-        """`_forward`, and with `attention` the positions' attention statistics from the same pass."""
+        self, positions: int, more: bool, metrics: bool
+    ) -> tuple[torch.Tensor, PositionMetrics | None]:
+        """`_forward`, and with `metrics` the positions' entropix metrics from the same pass."""
         start = self._uncached_start(positions)
-        logits, stats = self.kv.forward(self.tokens, start, positions, more, attention)
+        logits, measured = self.kv.forward(self.tokens, start, positions, more, metrics)
         self.forward_calls += 1
-        return logits, stats
+        return logits, measured
 
     def _forward_tree(self, positions: int, tree: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """One branch: logits [1, positions, vocab] and final hidden states [positions, hidden]
@@ -828,7 +825,7 @@ class EngineSession:
             raise InvalidArgument("scoring.positions", f"must be in [1, {self.length}], got {positions}")
         score_ids = self._score_ids(scoring)  # checked before paying for a forward pass
         extras = scoring.extras
-        medusa_ids, attention = None, None
+        medusa_ids, metrics = None, None
         if scoring.medusa_top_k or tree:
             if extras.attention_stats:
                 raise InvalidArgument("scoring.extras.attention_stats", "cannot be combined with Medusa tree scoring")
@@ -854,12 +851,11 @@ class EngineSession:
                     head_logits = self.lm.medusa(hidden)  # [positions, heads, vocab]
                 medusa_ids = head_logits.topk(scoring.medusa_top_k, dim=-1).indices.to(torch.int32).cpu()
         else:
-            logits, attention = self._forward_measured(positions, more, extras.attention_stats)  # [branches, positions, vocab]
-        metrics = None
-        if extras.wanted:  # of the raw distribution, before any processor, on the device
+            # [branches, positions, vocab]; with attention statistics, every metric from the forward
+            logits, metrics = self._forward_measured(positions, more, extras.attention_stats)
+        if extras.wanted and metrics is None:  # of the raw distribution, before any processor, on the device
             with torch.inference_mode():
-                entropy, varentropy = token_entropy(logits.flatten(0, 1))  # [branches·positions] each
-            metrics = PositionMetrics(entropy, varentropy, attention)
+                metrics = PositionMetrics(*token_entropy(logits.flatten(0, 1)))  # [branches·positions] each
         scores = self._encode_scores(scoring, self._process_positions(scoring, logits, tree), score_ids)
         scores.metrics = metrics
         return scores, medusa_ids

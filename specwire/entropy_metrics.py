@@ -95,9 +95,17 @@ def attention_stats(scores: torch.Tensor, valid: torch.Tensor | None) -> Attenti
 
 @dataclass
 class PositionMetrics:
-    """What a service returns per scored row (branches × positions), each [rows] float32; the
-    attention fields are None when they were not asked for."""
+    """What a service returns per scored row (branches × positions), each [rows] float32 (the
+    scheduler's jobs: [rows, keep]); the attention fields are None when they were not asked for."""
 
     entropy: torch.Tensor
     varentropy: torch.Tensor
     attention: AttentionStats | None = None
+
+    def flattened(self) -> PositionMetrics:
+        """The same metrics with each tensor flattened ([branches, positions] → [branches·positions])."""
+        attention = self.attention
+        if attention is not None:
+            attention = AttentionStats(*(t.flatten() for t in (
+                attention.entropy, attention.varentropy, attention.agreement, attention.interaction_strength)))
+        return PositionMetrics(self.entropy.flatten(), self.varentropy.flatten(), attention)

@@ -4,9 +4,11 @@ One call runs any mix of rows: each row brings its own new tokens, the cache slo
 written to, their positions (rotary or learned) and which cache slots each new token attends to.
 That one shape covers decoding (1 token), verification (γ+1), short prefills, and tree
 verification (positions = depth, `key_mask` = ancestors; Medusa). The call returns the final,
-normed hidden states of the new tokens (for the LM head, or Medusa heads) and, when asked, the
-last layer's pre-softmax attention scores of chosen rows and tokens (entropix's attention
-statistics), computed for those alone: the other rows of the batch pay nothing for them.
+normed hidden states of the new tokens (for Medusa heads), the logits of the positions asked
+for, and, when asked, entropix's metrics: the token entropy of those logits and the statistics
+of the last layer's attention scores of chosen rows and tokens, computed for those alone (the
+other rows of the batch pay nothing for them). Everything after the last layer is part of the
+call so that compiled code fuses the head's and the metrics' small ops with the rest.
 
 The layers are the model's own modules (projections, norms, MLPs, rotary embedding), so the
 arithmetic per token is the model's; what goes is transformers' generic per-call machinery —
@@ -22,7 +24,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from specwire.entropy_metrics import attention_scores
+from specwire.entropy_metrics import PositionMetrics, attention_scores, attention_stats, token_entropy
 from specwire.slot_cache import CacheShape, SlotCache
 
 
@@ -37,11 +39,15 @@ class ForwardBatch:
     key_mask: torch.Tensor  # [B, T, L] bool: cache slots each new token attends to (its own included)
     # Every token is written, padding too: padding slots lie past their row's length (or in the
     # scratch row), where nothing reads them before a real token overwrites them.
+    # [P] long: the new tokens whose logits are wanted, as indices into the flattened [B·T];
+    # None: no logits (hidden states only).
+    logit_index: torch.Tensor | None = None
     contiguous_from: int | None = None  # rows are range(contiguous_from, +B): slice, don't gather
     dense: bool = False  # key_mask is all True (no mask needed)
-    # Last-layer attention scores wanted: for R batch rows × K of their new tokens (offsets in T),
-    # or, with `scores` and no selection, for every row and token of the batch.
-    scores: bool = False
+    # Entropix metrics wanted: the token entropy of every logit row, and the last layer's
+    # attention statistics for R batch rows × K of their new tokens (offsets in T), or, with
+    # `metrics` and no selection, for every row and token of the batch.
+    metrics: bool = False
     score_rows: torch.Tensor | None = None  # [R] long, indices into the batch
     score_tokens: torch.Tensor | None = None  # [R, K] long
 
@@ -49,9 +55,10 @@ class ForwardBatch:
 @dataclass
 class ForwardOutput:
     hidden: torch.Tensor  # [B, T, hidden]: final-normed hidden states of the new tokens
-    # [R, heads, K, L] float32: the last layer's pre-softmax scores of `score_rows` × `score_tokens`,
-    # −inf at the slots a token does not attend to.
-    attention_scores: torch.Tensor | None = None
+    logits: torch.Tensor | None = None  # [P, vocab] float32, of `logit_index`
+    # With `metrics`: entropy and varentropy [P] of the logits, and the attention statistics
+    # [R·K] of `score_rows` × `score_tokens` (row-major).
+    metrics: PositionMetrics | None = None
 
 
 class LeanModel(Protocol):
@@ -59,7 +66,19 @@ class LeanModel(Protocol):
 
     def forward(self, cache: SlotCache, batch: ForwardBatch) -> ForwardOutput: ...
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+def _outputs(hidden: torch.Tensor, lm_head: Any, batch: ForwardBatch, scores: list[torch.Tensor]) -> ForwardOutput:
+    """The call's results from the final-normed hidden states [B, T, E] and the last layer's
+    chosen attention scores (`_chosen_scores`; present when `batch.metrics`)."""
+    if batch.logit_index is None:
+        return ForwardOutput(hidden)
+    logits = lm_head(hidden.flatten(0, 1).index_select(0, batch.logit_index)).float()  # [P, vocab]
+    if not scores:
+        return ForwardOutput(hidden, logits)
+    entropy, varentropy = token_entropy(logits)
+    rows = scores[0].transpose(1, 2).flatten(0, 1)  # [R·K, heads, L], −inf where not attended to
+    attention = attention_stats(rows, torch.isfinite(rows[:, 0]))
+    return ForwardOutput(hidden, logits, PositionMetrics(entropy, varentropy, attention))
 
 
 def _attend(
@@ -144,14 +163,11 @@ class LlamaLike:
             k = attn.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
             v = attn.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            wanted = scores if batch.scores and index == last else None
+            wanted = scores if batch.metrics and index == last else None
             out = _attend(q, cache, index, k, v, batch, attn.scaling, wanted, self.gqa)
             hidden = hidden + attn.o_proj(out)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return ForwardOutput(self.norm(hidden), scores[0] if scores else None)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return _outputs(self.norm(hidden), self.lm_head, batch, scores)
 
 
 class GPT2Like:
@@ -182,14 +198,11 @@ class GPT2Like:
             attn = block.attn
             q, k, v = attn.c_attn(block.ln_1(hidden)).split(attn.split_size, dim=2)
             q, k, v = (t.view(B, T, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-            wanted = scores if batch.scores and index == last else None
+            wanted = scores if batch.metrics and index == last else None
             out = _attend(q, cache, index, k, v, batch, attn.scaling, wanted)
             hidden = hidden + attn.c_proj(out)
             hidden = hidden + block.mlp(block.ln_2(hidden))
-        return ForwardOutput(self.ln_f(hidden), scores[0] if scores else None)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return _outputs(self.ln_f(hidden), self.lm_head, batch, scores)
 
 
 def lean_model(model: Any) -> LeanModel | None:

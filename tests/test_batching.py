@@ -21,6 +21,7 @@ from specwire.orchestrator.models import LocalModel
 
 from specwire.batching import ForwardJob, score_selection
 from specwire.engine import CausalLM, Engine, EngineLimits, SlotKV
+from specwire.entropy_metrics import PositionMetrics, token_entropy
 from specwire.errors import ResourceExhausted
 from specwire.processing import ProcessingConfig
 from specwire.session import Extras, OpenRequest, ScoreKind, Scoring, StepRequest
@@ -209,39 +210,53 @@ def test_tree_verification_hooks_equal_decoding_the_path(llama_target_dir: Path)
     torch.testing.assert_close(after[:, 0], path[:, 2], atol=1e-5, rtol=1e-5)
 
 
-def test_attention_scores_hook_returns_the_last_layers_scores(llama_target_dir: Path) -> None:
+def _metric_tensors(metrics: PositionMetrics | None) -> list[torch.Tensor]:
+    assert metrics is not None and metrics.attention is not None
+    attention = metrics.attention
+    return [metrics.entropy, metrics.varentropy, attention.entropy, attention.varentropy,
+            attention.agreement, attention.interaction_strength]
+
+
+def test_forward_metrics_cover_the_kept_tokens(llama_target_dir: Path) -> None:
+    """A job's entropix metrics come from the forward, [rows, keep] each: the token metrics are
+    those of its logits, and a job keeping one token gets the last column of one keeping three."""
     lean = engine(llama_target_dir, max_batch_rows=2, max_cache_len=64)
     kv = lean.new_session().kv
     assert isinstance(kv, SlotKV)
     kv.open(1)
-    job = kv.run(ForwardJob([], torch.tensor([[5, 17, 42]]), 0, 3, want_attention=True))
-    scores = job.attention_scores
-    assert scores is not None and scores.shape == (1, 4, 3, 3)  # [rows, heads, keep, slots]
-    assert torch.isinf(scores[0, :, 0, 1:]).all() and torch.isfinite(scores[0, :, 2]).all()  # causal
-    last = kv.run(ForwardJob([], torch.tensor([[5, 17, 42]]), 0, 1, want_attention=True)).attention_scores
-    assert last is not None and last.shape == (1, 4, 1, 3)  # the kept tokens' scores only
-    torch.testing.assert_close(last[0, :, 0], scores[0, :, 2])
+    job = kv.run(ForwardJob([], torch.tensor([[5, 17, 42]]), 0, 3, want_metrics=True))
+    every = _metric_tensors(job.metrics)
+    assert all(t.shape == (1, 3) for t in every) and job.logits is not None
+    entropy, varentropy = token_entropy(job.logits.flatten(0, 1))
+    torch.testing.assert_close(every[0].flatten(), entropy)
+    torch.testing.assert_close(every[1].flatten(), varentropy)
+    assert every[2][0, 0] == 0 and (every[2][0, 1:] > 0).all()  # the first token attends to itself alone
+    last = kv.run(ForwardJob([], torch.tensor([[5, 17, 42]]), 0, 1, want_metrics=True))
+    for one, three in zip(_metric_tensors(last.metrics), every, strict=True):
+        assert one.shape == (1, 1)
+        torch.testing.assert_close(one[:, 0], three[:, 2])
 
 
-def test_attention_scores_are_computed_for_the_asking_rows_only(llama_target_dir: Path) -> None:
-    """One forward over a session that asks for scores (entropix) and one that does not: only the
-    asking job's rows and kept tokens are scored, and they equal that job's solo scores."""
+def test_forward_metrics_are_computed_for_the_asking_rows_only(llama_target_dir: Path) -> None:
+    """One forward over a session that asks for metrics (entropix) and one that does not: only the
+    asking job's rows and kept tokens are scored, and they equal that job's solo metrics."""
     lean = engine(llama_target_dir, max_batch_rows=4, max_cache_len=64)
     assert lean.scheduler is not None
     asking, other = lean.new_session().kv, lean.new_session().kv
     assert isinstance(asking, SlotKV) and isinstance(other, SlotKV)
     asking.open(1)
     other.open(2)
-    solo = asking.run(ForwardJob([], torch.tensor([[5, 17, 42]]), 0, 2, want_attention=True)).attention_scores
-    wants = ForwardJob(list(asking.rows), torch.tensor([[5, 17, 42]]), 0, 2, want_attention=True)
+    solo = asking.run(ForwardJob([], torch.tensor([[5, 17, 42]]), 0, 2, want_metrics=True)).metrics
+    wants = ForwardJob(list(asking.rows), torch.tensor([[5, 17, 42]]), 0, 2, want_metrics=True)
     plain = ForwardJob(list(other.rows), torch.tensor([[9, 8, 7, 6], [1, 2, 3, 4]]), 0, 1)
     rows, tokens = score_selection([plain, wants], torch.device("cpu"))
     assert rows is not None and tokens is not None
     assert rows.tolist() == [2] and tokens.tolist() == [[1, 2]]  # the asking row, its 2 kept tokens
     lean.scheduler._forward([plain, wants])
-    assert plain.attention_scores is None and wants.attention_scores is not None and solo is not None
-    assert wants.attention_scores.shape == (1, 4, 2, 3)
-    torch.testing.assert_close(wants.attention_scores, solo, atol=1e-5, rtol=1e-5)
+    assert plain.metrics is None
+    for batched, alone in zip(_metric_tensors(wants.metrics), _metric_tensors(solo), strict=True):
+        assert batched.shape == (1, 2)
+        torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-5)
 
 
 def test_cache_use_is_reported_in_info_and_metrics(llama_target_dir: Path) -> None:
