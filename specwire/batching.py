@@ -369,31 +369,34 @@ def build_batch(
     rounds the slots looked at (L) up, so compiled code sees few distinct shapes.
     """
     rows = [row for job in jobs for row in job.rows]
-    counts = [len(job.rows) for job in jobs]
     T = max(job.new_tokens for job in jobs)
     L = max(job.start + job.new_tokens for job in jobs)
     L = -(-L // key_multiple) * key_multiple
     B = bucket(len(rows)) if pad_rows else len(rows)
-    starts = torch.tensor([job.start for job in jobs]).repeat_interleave(torch.tensor(counts))  # [rows]
-    lengths = torch.tensor([job.new_tokens for job in jobs]).repeat_interleave(torch.tensor(counts))  # [rows]
-    if len(rows) < B:  # padding rows: the scratch row, one token at slot 0
-        starts = torch.cat([starts, torch.zeros(B - len(rows), dtype=torch.long)])
-        lengths = torch.cat([lengths, torch.ones(B - len(rows), dtype=torch.long)])
-        rows = rows + [scratch_row] * (B - len(rows))
-    offsets = torch.arange(T)
-    slots = starts[:, None] + offsets  # [B, T]
-    written = offsets < lengths[:, None]  # [B, T]: real tokens
-    input_ids = torch.zeros((B, T), dtype=torch.long)
-    first = 0
-    for job, count in zip(jobs, counts, strict=True):
-        input_ids[first : first + count, : job.new_tokens] = job.tokens
-        first += count
+    # Plain Python until the tensors: a decode step is a few dozen µs of small-op overhead otherwise.
+    starts = [job.start for job in jobs for _ in job.rows] + [0] * (B - len(rows))  # padding: slot 0
+    lengths = [job.new_tokens for job in jobs for _ in job.rows] + [1] * (B - len(rows))
+    rows += [scratch_row] * (B - len(rows))  # padding rows: the scratch row, one token
+    slots = torch.tensor(starts).unsqueeze(1)  # [B, 1]
+    if T > 1:
+        slots = slots + torch.arange(T)  # [B, T]
+    ragged = any(n < T for n in lengths)
+    padded = sum(len(job.rows) for job in jobs) < B
+    if ragged or padded:
+        input_ids = torch.zeros((B, T), dtype=torch.long)
+        first = 0
+        for job in jobs:
+            input_ids[first : first + len(job.rows), : job.new_tokens] = job.tokens
+            first += len(job.rows)
+    else:
+        input_ids = torch.cat([job.tokens for job in jobs])
     # Causal over the cache: token t of a row sees slots ≤ its own; padding sees slot 0 only (no NaN).
-    key_mask = torch.arange(L) <= torch.where(written, slots, 0)[:, :, None]  # [B, T, L]
+    seen = torch.where(torch.arange(T) < torch.tensor(lengths)[:, None], slots, 0) if ragged else slots
+    key_mask = torch.arange(L) <= seen[:, :, None]  # [B, T, L]
     positions = slots.clone()
     first = 0
-    for job, count in zip(jobs, counts, strict=True):
-        n, start = job.new_tokens, job.start
+    for job in jobs:
+        count, n, start = len(job.rows), job.new_tokens, job.start
         if job.positions is not None:
             positions[first : first + count, :n] = job.positions
         if job.tree_mask is not None:
@@ -407,5 +410,5 @@ def build_batch(
         positions=positions.to(device),
         key_mask=key_mask.to(device),
         contiguous_from=rows[0] if contiguous else None,
-        dense=bool(key_mask.all()),
+        dense=T == 1 and all(start == L - 1 for start in starts),  # every row sees every slot
     )
