@@ -115,22 +115,31 @@ class Scheduler:
         started = time.perf_counter()
         try:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            scratch = self.cache.scratch_row
             if cuda:
                 self._compiled = torch.compile(self.model.forward, mode="reduce-overhead")
-                shapes = [(rows, 1, 1, False) for rows in (1, 2, 4, 8)]
+                shapes = [([scratch] * rows, 1, 1, False) for rows in (1, 2, 4, 8)]
             else:
-                # Sizes of 1 are specialised: five graphs cover rows 1 / more × tokens 1 / more ×
-                # logits 1 / more; three more one session's entropix steps with its metrics (a
-                # decode step, a prompt scored at its last token, a verification scored at every
-                # token). Rarer mixes with metrics compile when first met.
+                # Sizes of 1 are specialised, and gathered rows (a run of consecutive rows is
+                # read in place) are a graph of their own: three graphs for one row (a token;
+                # several, the last or all scored), two for gathered and two for consecutive
+                # rows (a token or several), and three for one session's entropix steps with its
+                # metrics (a decode step, a prompt scored at its last token, a verification
+                # scored at every token). Rarer mixes compile when first met. The consecutive
+                # rows are free ones (none is taken yet): their lengths go back to 0 below.
                 self._compiled = torch.compile(self.model.forward, dynamic=True)
-                shapes = [(1, 1, 1, False), (3, 1, 1, False), (1, 3, 1, False), (1, 3, 3, False),
-                          (3, 3, 1, False), (1, 1, 1, True), (1, 3, 1, True), (1, 3, 3, True)]
-            scratch = self.cache.scratch_row
+                run = list(range(min(3, self.cache.scratch_row)))
+                shapes = [([scratch], 1, 1, False), ([scratch], 3, 1, False), ([scratch], 3, 3, False),
+                          ([scratch] * 3, 1, 1, False), ([scratch] * 3, 3, 1, False),
+                          ([scratch], 1, 1, True), ([scratch], 3, 1, True), ([scratch], 3, 3, True)]
+                if len(run) > 1:
+                    shapes += [(run, 1, 1, False), (run, 3, 1, False)]
             for rows, tokens, keep, metrics in shapes:
                 # From slot 2 on: a job at slot 0 would look at one slot, and specialise that too.
-                tokens_in = torch.zeros((rows, tokens), dtype=torch.long)
-                self._forward([ForwardJob([scratch] * rows, tokens_in, 2, keep, want_metrics=metrics)])
+                tokens_in = torch.zeros((len(rows), tokens), dtype=torch.long)
+                self._forward([ForwardJob(rows, tokens_in, 2, keep, want_metrics=metrics)])
+            for row in range(self.cache.scratch_row):
+                self.cache.lengths[row] = 0
         except Exception as error:  # any compiler failure: serve eagerly
             self._compiled = None
             log.warning("torch.compile failed, serving eagerly: %s: %s", type(error).__name__, error)
@@ -272,7 +281,10 @@ class Scheduler:
             batch.score_rows, batch.score_tokens = score_selection(jobs, self.device)
         if compiled:
             assert self._compiled is not None
-            batch.contiguous_from, batch.dense = None, False  # these would be guarded on: one graph
+            # Guarded on (a mask or none): one graph. CUDA graphs would also specialise the first row.
+            batch.dense = False
+            if cuda:
+                batch.contiguous_from = None
             out = self._compiled(self.cache, batch)
         else:
             out = self.model.forward(self.cache, batch)
