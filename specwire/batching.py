@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -127,7 +128,12 @@ class Scheduler:
                 # metrics (a decode step, a prompt scored at its last token, a verification
                 # scored at every token). Rarer mixes compile when first met. The consecutive
                 # rows are free ones (none is taken yet): their lengths go back to 0 below.
-                self._compiled = torch.compile(self.model.forward, dynamic=True)
+                # The wrapper that calls the kernels in C++, without its per-call checks of
+                # sizes, strides and alignment: a decode step's ~30 µs of Python less.
+                checks_off = ("size_asserts", "scalar_asserts", "alignment_asserts")
+                options: dict[str, str | int | bool | Callable[..., Any]] = {"cpp_wrapper": True}
+                options.update(dict.fromkeys(checks_off, False))
+                self._compiled = torch.compile(self.model.forward, dynamic=True, options=options)
                 run = list(range(min(3, self.cache.scratch_row)))
                 shapes = [([scratch], 1, 1, False), ([scratch], 3, 1, False), ([scratch], 3, 3, False),
                           ([scratch] * 3, 1, 1, False), ([scratch] * 3, 3, 1, False),
