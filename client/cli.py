@@ -21,7 +21,7 @@ from specwire.target_service import train_medusa
 from specwire.v1 import orchestrator_pb2
 
 from specwire import __version__
-from specwire.config import compile_default
+from specwire.config import OrchestratorConfig, compile_default
 from specwire.extras import require
 
 # Generation flags: (flag, type, help). The SDK keyword is the flag with underscores.
@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--port", type=int, default=50051)
     orch.add_argument("--max-new-tokens-limit", type=int, default=4096)
     orch.add_argument(
-        "--max-tokens-per-round", type=int, default=8,
+        "--max-tokens-per-round", type=int, default=OrchestratorConfig.max_tokens_per_round,
         help="target-only decoding: tokens the target may decide per message (1 = one per round trip)",
     )
     _add_telemetry_flags(orch)

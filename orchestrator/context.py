@@ -102,7 +102,7 @@ class DecodeContext:
     # Beam search leaves its finished hypotheses here, best first.
     sequences: list[BeamSequence] = field(default_factory=list)
     # Target-only decoding: the most tokens one round may ask the target for (1 = one per trip).
-    max_tokens_per_round: int = 8
+    max_tokens_per_round: int = 16
     _sessions: list[ModelSession] = field(default_factory=list)
     # Observability, all None when off: the generation's tracer and root span, the metrics.
     tracing: telemetry.Tracing | None = None

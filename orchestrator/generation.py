@@ -96,7 +96,7 @@ class Decoder:
         tokenizer: PreTrainedTokenizerBase,
         max_new_tokens_limit: int = 4096,
         default_max_new_tokens: int = 64,
-        max_tokens_per_round: int = 8,
+        max_tokens_per_round: int = 16,
         tracing: telemetry.Tracing | None = None,
         metrics: OrchestratorMetrics | None = None,
     ) -> None:
