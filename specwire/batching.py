@@ -124,10 +124,11 @@ class Scheduler:
                 # Sizes of 1 are specialised, and gathered rows (a run of consecutive rows is
                 # read in place) are a graph of their own: three graphs for one row (a token;
                 # several, the last or all scored), two for gathered and two for consecutive
-                # rows (a token or several), and three for one session's entropix steps with its
+                # rows (a token or several), and four for one session's entropix steps with its
                 # metrics (a decode step, a prompt scored at its last token, a verification
-                # scored at every token). Rarer mixes compile when first met. The consecutive
-                # rows are free ones (none is taken yet): their lengths go back to 0 below.
+                # scored at every token, and at its last few after an append: speculative
+                # entropix). Rarer mixes compile when first met. The consecutive rows are free
+                # ones (none is taken yet): their lengths go back to 0 below.
                 # The wrapper that calls the kernels in C++, without its per-call checks of
                 # sizes, strides and alignment: a decode step's ~30 µs of Python less.
                 checks_off = ("size_asserts", "scalar_asserts", "alignment_asserts")
@@ -137,7 +138,8 @@ class Scheduler:
                 run = list(range(min(3, self.cache.scratch_row)))
                 shapes = [([scratch], 1, 1, False), ([scratch], 3, 1, False), ([scratch], 3, 3, False),
                           ([scratch] * 3, 1, 1, False), ([scratch] * 3, 3, 1, False),
-                          ([scratch], 1, 1, True), ([scratch], 3, 1, True), ([scratch], 3, 3, True)]
+                          ([scratch], 1, 1, True), ([scratch], 3, 1, True), ([scratch], 3, 3, True),
+                          ([scratch], 4, 3, True)]
                 if len(run) > 1:
                     shapes += [(run, 1, 1, False), (run, 3, 1, False)]
             for rows, tokens, keep, metrics in shapes:
