@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from specwire.entropy_metrics import AttentionStats, PositionMetrics
-from specwire.lean_forward import ForwardBatch, ForwardOutput, LeanModel
+from specwire.lean_forward import ForwardBatch, ForwardOutput, LeanModel, greedy_steps
 from specwire.slot_cache import SlotCache
 
 log = logging.getLogger("specwire")
@@ -31,6 +31,9 @@ log = logging.getLogger("specwire")
 # Jobs longer than this (prefills) run in a forward of their own, chunked to this size, so a
 # long prompt neither pads the decoders' batch nor holds them up for one long call.
 PREFILL_CHUNK = 64
+# Compiled CPU engines run this many greedy decode steps in one call when every job of a
+# forward is a plain greedy round (`ForwardJob.fuse_greedy`) with that many steps left.
+FUSED_STEPS = 4
 
 
 @dataclass
@@ -52,6 +55,11 @@ class ForwardJob:
     # None to end the round early. It runs on whichever thread leads; the owner is waiting.
     steps: int = 1
     pick: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+    # `pick` takes the argmax of the raw logits (greedy, no penalties, no confidence gate), so
+    # the scheduler may run FUSED_STEPS steps in one compiled call, each fed the argmax of the
+    # one before; `pick` still chooses every token, and where it differs (a tie broken
+    # otherwise) the round goes on unfused from there.
+    fuse_greedy: bool = False
     forwards: int = 0  # run so far
     # results
     logits: torch.Tensor | None = None  # [rows, keep, vocab] float32
@@ -98,6 +106,7 @@ class Scheduler:
         self._last_forward_s = 0.0
         self.stats = SchedulerStats()
         self._compiled: Callable[..., ForwardOutput] | None = None
+        self._compiled_steps: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def compile(self) -> bool:
         """Run forwards through `torch.compile`; compile the common shapes now and log the time.
@@ -135,6 +144,7 @@ class Scheduler:
                 options: dict[str, str | int | bool | Callable[..., Any]] = {"cpp_wrapper": True}
                 options.update(dict.fromkeys(checks_off, False))
                 self._compiled = torch.compile(self.model.forward, dynamic=True, options=options)
+                self._compiled_steps = torch.compile(greedy_steps, dynamic=True, options=options)
                 run = list(range(min(3, self.cache.scratch_row)))
                 shapes = [([scratch], 1, 1, False), ([scratch], 3, 1, False), ([scratch], 3, 3, False),
                           ([scratch] * 3, 1, 1, False), ([scratch] * 3, 3, 1, False),
@@ -146,6 +156,9 @@ class Scheduler:
                 # From slot 2 on: a job at slot 0 would look at one slot, and specialise that too.
                 tokens_in = torch.zeros((len(rows), tokens), dtype=torch.long)
                 self._forward([ForwardJob(rows, tokens_in, 2, keep, want_metrics=metrics)])
+            if self._compiled_steps is not None:  # fused greedy steps: one row, gathered, consecutive
+                for rows in [[scratch], [scratch] * 3] + ([run] if len(run) > 1 else []):
+                    self._forward_steps([ForwardJob(rows, torch.zeros((len(rows), 1), dtype=torch.long), 2, 1)])
             for row in range(self.cache.scratch_row):
                 self.cache.lengths[row] = 0
         except Exception as error:  # any compiler failure: serve eagerly
@@ -240,26 +253,55 @@ class Scheduler:
 
     def _execute(self, jobs: list[ForwardJob]) -> None:
         started = time.perf_counter()
+        fused = self._compiled_steps is not None and all(_fusable(job) for job in jobs)
+        fed = torch.empty(0)
         try:
-            self._forward(jobs)
+            if fused:
+                fed = self._forward_steps(jobs)
+            else:
+                self._forward(jobs)
         except BaseException as error:  # every waiter must wake, with the reason
             for job in jobs:
                 job.error = error
-        self.stats.forwards += 1
+        forwards = FUSED_STEPS if fused else 1
+        self.stats.forwards += forwards
         rows = sum(len(job.rows) for job in jobs)
-        self.stats.rows += rows
+        self.stats.rows += rows * forwards
         self.stats.max_rows = max(self.stats.max_rows, rows)
         elapsed = time.perf_counter() - started
         self.stats.busy_s += elapsed
         with self._mutex:
-            self._last_forward_s = elapsed
+            self._last_forward_s = elapsed / forwards
             self._awaited |= {id(job.owner) for job in jobs if job.more and job.owner is not None}
+        first = 0
         for job in jobs:
+            count = len(job.rows)
+            if job.error is None and fused:
+                going_on = self._next_steps(job, fed[first : first + count])
+            else:
+                job.forwards += 1
+                going_on = job.error is None and job.pick is not None and self._next_step(job)
+            first += count
+            if not going_on:
+                job.done = True
+                job._wake.set()
+
+    def _next_steps(self, job: ForwardJob, fed: torch.Tensor) -> bool:
+        """After fused steps (`fed`: the tokens [rows, FUSED_STEPS] the forward chose): the
+        round's `pick` chooses each step's tokens in turn, up to where it differs from what the
+        forward fed itself; True when the round goes on (unfused, from a difference)."""
+        assert job.logits is not None  # [rows, FUSED_STEPS, vocab]
+        logits = job.logits
+        going_on = True
+        for step in range(FUSED_STEPS):
+            job.logits = logits[:, step : step + 1]
             job.forwards += 1
-            if job.error is None and job.pick is not None and self._next_step(job):
-                continue
-            job.done = True
-            job._wake.set()
+            going_on = self._next_step(job)
+            if not going_on or (step + 1 < FUSED_STEPS and not torch.equal(job.tokens, fed[:, step : step + 1])):
+                break
+        for row in job.rows:  # cached: the tokens forwarded and kept (the last chosen is not yet)
+            self.cache.lengths[row] = job.start + (0 if going_on else 1)
+        return going_on
 
     @staticmethod
     def _next_step(job: ForwardJob) -> bool:
@@ -275,6 +317,21 @@ class Scheduler:
         job.start += job.new_tokens
         job.tokens = tokens
         return True
+
+    @torch.inference_mode()
+    def _forward_steps(self, jobs: list[ForwardJob]) -> torch.Tensor:
+        """FUSED_STEPS greedy steps of plain greedy rounds (`_fusable`) in one compiled call:
+        each job's logits [rows, FUSED_STEPS, vocab]; returns the tokens the forward fed itself."""
+        assert self._compiled_steps is not None
+        batch = build_batch(jobs, self.device, self.cache.scratch_row)
+        batch.logit_index = logit_index(jobs, 1, self.device)
+        batch.dense = False  # guarded on (a mask or none): one graph
+        fed, logits = self._compiled_steps(self.model, self.cache, batch, FUSED_STEPS)
+        first = 0
+        for job in jobs:
+            job.logits = logits[first : first + len(job.rows)]
+            first += len(job.rows)
+        return fed
 
     @torch.inference_mode()
     def _forward(self, jobs: list[ForwardJob]) -> None:
@@ -325,6 +382,12 @@ class Scheduler:
 
 
 ATTENTION_FIELDS = [f.name for f in fields(AttentionStats)]
+
+
+def _fusable(job: ForwardJob) -> bool:
+    """A plain greedy round at one new token with FUSED_STEPS or more forwards to go."""
+    return (job.fuse_greedy and job.pick is not None and job.new_tokens == 1 and not job.want_metrics
+            and not job.want_hidden and job.steps - job.forwards >= FUSED_STEPS)
 
 
 def _join_metrics(parts: list[PositionMetrics]) -> PositionMetrics:

@@ -325,11 +325,13 @@ class SessionKV(Protocol):
         ...
 
     def decode(
-        self, tokens: torch.Tensor, start: int, steps: int, pick: Callable[[torch.Tensor], torch.Tensor | None]
+        self, tokens: torch.Tensor, start: int, steps: int, pick: Callable[[torch.Tensor], torch.Tensor | None],
+        plain_greedy: bool = False,
     ) -> int:
         """A decode round: forward tokens[:, start:], then up to `steps` − 1 times the tokens
         `pick(logits [branches, vocab] of the last token)` returns, until it returns None.
-        Returns the forwards run. `pick` sees the logits of each forward in turn."""
+        Returns the forwards run. `pick` sees the logits of each forward in turn.
+        `plain_greedy`: `pick` takes the argmax of the raw logits (`ForwardJob.fuse_greedy`)."""
         ...
 
     def forward_tree(
@@ -390,7 +392,8 @@ class DynamicKV:
         return logits, PositionMetrics(*token_entropy(logits.flatten(0, 1)), probe.stats)
 
     def decode(
-        self, tokens: torch.Tensor, start: int, steps: int, pick: Callable[[torch.Tensor], torch.Tensor | None]
+        self, tokens: torch.Tensor, start: int, steps: int, pick: Callable[[torch.Tensor], torch.Tensor | None],
+        plain_greedy: bool = False,
     ) -> int:
         for step in range(steps):
             logits, _ = self.forward(tokens, start, 1)
@@ -527,11 +530,13 @@ class SlotKV:
         return job.logits, job.metrics.flattened()  # [branches, positions] → [branches·positions]
 
     def decode(
-        self, tokens: torch.Tensor, start: int, steps: int, pick: Callable[[torch.Tensor], torch.Tensor | None]
+        self, tokens: torch.Tensor, start: int, steps: int, pick: Callable[[torch.Tensor], torch.Tensor | None],
+        plain_greedy: bool = False,
     ) -> int:
         """One scheduler job for the whole round (`ForwardJob.steps`): batched step by step with
         the other sessions' forwards, with no wake-up of this thread between steps."""
-        job = self.run(ForwardJob(list(self.rows), tokens[:, start:], start, 1, steps=steps, pick=pick))
+        job = self.run(ForwardJob(list(self.rows), tokens[:, start:], start, 1, steps=steps, pick=pick,
+                                  fuse_greedy=plain_greedy))
         return job.forwards
 
     def forward_tree(
@@ -999,7 +1004,8 @@ class EngineSession:
             self.tokens = torch.cat([self.tokens, drawn[-1]], dim=1)
             return drawn[-1]
 
-        self.forward_calls += self.kv.decode(self.tokens, self._uncached_start(1), count, pick)
+        plain = greedy and not self.processing.has_penalties and min_confidence <= 0
+        self.forward_calls += self.kv.decode(self.tokens, self._uncached_start(1), count, pick, plain)
         proposed = torch.cat(drawn, dim=1).to(torch.int32)
         if greedy:
             return proposed, None

@@ -214,3 +214,26 @@ def lean_model(model: Any) -> LeanModel | None:
     if kind == "gpt2" and not getattr(config, "reorder_and_upcast_attn", False):
         return GPT2Like(model)
     return None
+
+
+def greedy_steps(model: LeanModel, cache: SlotCache, batch: ForwardBatch, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`steps` one-token decode forwards of the batch's rows in one call, each fed the argmax of
+    the one before: (tokens [B, steps], logits [B, steps, vocab] float32). Compiled, a call pays
+    the compiled code's fixed per-call cost once for all its steps. `batch`: one new token per
+    row (no padding), the logits of every row, causal over each row's own slots."""
+    ids, slots, positions = batch.input_ids, batch.slots, batch.positions
+    length = batch.key_mask.shape[-1]
+    tokens, logits = [], []
+    step_batch = batch
+    for step in range(steps):
+        if step:
+            slots, positions = slots + 1, positions + 1
+            key_mask = torch.arange(length + step, device=slots.device) <= slots[:, :, None]  # [B, 1, L + step]
+            step_batch = ForwardBatch(batch.rows, ids, slots, positions, key_mask, batch.logit_index,
+                                      batch.contiguous_from)
+        out = model.forward(cache, step_batch)
+        assert out.logits is not None
+        ids = out.logits.argmax(dim=-1, keepdim=True)  # [B, 1]
+        tokens.append(ids)
+        logits.append(out.logits)
+    return torch.cat(tokens, dim=1), torch.stack(logits, dim=1)

@@ -338,3 +338,33 @@ def test_compiled_forward_serves_concurrent_sessions_like_the_eager_one(llama_ta
         torch.testing.assert_close(logits, alone_logits, atol=1e-5, rtol=1e-5)
         assert stats == pytest.approx(alone_stats, rel=1e-5, abs=1e-5)
     assert compiled.cache is not None and compiled.cache.usage().rows_in_use == 0
+
+    # Plain greedy rounds run FUSED_STEPS steps per compiled call (alone, and two sessions
+    # together): the same tokens as the eager engine's one step at a time.
+    fused_calls = 0
+    forward_steps = compiled.scheduler._forward_steps
+
+    def counted(jobs: list[ForwardJob]) -> torch.Tensor:
+        nonlocal fused_calls
+        fused_calls += 1
+        return forward_steps(jobs)
+
+    compiled.scheduler._forward_steps = counted  # type: ignore[method-assign]
+
+    def greedy(backend: Engine, index: int) -> list[int]:
+        session = backend.new_session()
+        session.open(OpenRequest([(11 * index + 5 * i) % 500 + 1 for i in range(4 + 3 * index)]))
+        tokens: list[int] = []
+        for count in (13, 1, 9):  # runs of fused calls, a lone step, fused calls and a remainder
+            step = session.step(StepRequest(propose=count, propose_greedy=True, propose_ids_only=True))
+            assert step.proposed_ids is not None
+            tokens += step.proposed_ids.reshape(-1).tolist()
+        session.close()
+        return tokens
+
+    assert greedy(compiled, 0) == greedy(eager, 0)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        pair = list(pool.map(lambda index: greedy(compiled, index), (1, 2)))
+    assert pair == [greedy(eager, 1), greedy(eager, 2)]
+    assert fused_calls >= 5  # the lone session's rounds alone make 5
+    assert compiled.cache.usage().rows_in_use == 0
