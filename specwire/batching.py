@@ -16,7 +16,8 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -355,6 +356,8 @@ class Scheduler:
             out = self.model.forward(self.cache, batch)
         assert out.logits is not None
         width = int(batch.score_tokens.shape[1]) if batch.score_tokens is not None else int(batch.input_ids.shape[1])
+        # Attention statistics [R, K]: the asking jobs' rows in job order × K tokens, each row's last `keep` its own.
+        per_row = out.metrics.attention.map(lambda t: t.view(-1, width)) if out.metrics and out.metrics.attention else None
         first = offset = scored = 0
         for job in jobs:
             count, n, size = len(job.rows), job.new_tokens, len(job.rows) * job.keep
@@ -364,24 +367,15 @@ class Scheduler:
                 self.cache.lengths[row] = job.start + n
             job.logits = out.logits[offset : offset + size].view(count, job.keep, -1)
             if job.want_metrics:
-                assert out.metrics is not None and out.metrics.attention is not None
-                # Token metrics: [P] like the logits; attention: [R·K], the asking jobs' rows in
-                # job order × K tokens, each row's last `keep` its own.
-                attention = out.metrics.attention
-                job.metrics = PositionMetrics(
+                assert out.metrics is not None and per_row is not None
+                job.metrics = PositionMetrics(  # token metrics: [P] like the logits
                     out.metrics.entropy[offset : offset + size].view(count, job.keep),
                     out.metrics.varentropy[offset : offset + size].view(count, job.keep),
-                    AttentionStats(*(
-                        getattr(attention, name).view(-1, width)[scored : scored + count, width - job.keep :]
-                        for name in ATTENTION_FIELDS
-                    )),
+                    per_row.map(itemgetter((slice(scored, scored + count), slice(width - job.keep, None)))),
                 )
                 scored += count
             first += count
             offset += size
-
-
-ATTENTION_FIELDS = [f.name for f in fields(AttentionStats)]
 
 
 def _fusable(job: ForwardJob) -> bool:
@@ -393,10 +387,11 @@ def _fusable(job: ForwardJob) -> bool:
 def _join_metrics(parts: list[PositionMetrics]) -> PositionMetrics:
     """Per-chunk metrics ([rows, keep] each) joined along the kept tokens."""
     attention = [part.attention for part in parts if part.attention is not None]
+    stats = [[a.entropy, a.varentropy, a.agreement, a.interaction_strength] for a in attention]
     return PositionMetrics(
         torch.cat([part.entropy for part in parts], dim=1),
         torch.cat([part.varentropy for part in parts], dim=1),
-        AttentionStats(*(torch.cat([getattr(a, name) for a in attention], dim=1) for name in ATTENTION_FIELDS)),
+        AttentionStats(*(torch.cat(column, dim=1) for column in zip(*stats, strict=True))),
     )
 
 
@@ -452,20 +447,20 @@ def build_batch(
     rounds the slots looked at (L) up, so compiled code sees few distinct shapes.
     """
     rows = [row for job in jobs for row in job.rows]
+    real = len(rows)  # before padding
     T = max(job.new_tokens for job in jobs)
     L = max(job.start + job.new_tokens for job in jobs)
     L = -(-L // key_multiple) * key_multiple
     B = bucket(len(rows)) if pad_rows else len(rows)
     # Plain Python until the tensors: a decode step is a few dozen µs of small-op overhead otherwise.
-    starts = [job.start for job in jobs for _ in job.rows] + [0] * (B - len(rows))  # padding: slot 0
-    lengths = [job.new_tokens for job in jobs for _ in job.rows] + [1] * (B - len(rows))
-    rows += [scratch_row] * (B - len(rows))  # padding rows: the scratch row, one token
+    starts = [job.start for job in jobs for _ in job.rows] + [0] * (B - real)  # padding: slot 0
+    lengths = [job.new_tokens for job in jobs for _ in job.rows] + [1] * (B - real)
+    rows += [scratch_row] * (B - real)  # padding rows: the scratch row, one token
     slots = torch.tensor(starts).unsqueeze(1)  # [B, 1]
     if T > 1:
         slots = slots + torch.arange(T)  # [B, T]
     ragged = any(n < T for n in lengths)
-    padded = sum(len(job.rows) for job in jobs) < B
-    if ragged or padded:
+    if ragged or real < B:
         input_ids = torch.zeros((B, T), dtype=torch.long)
         first = 0
         for job in jobs:

@@ -21,6 +21,7 @@ so values do not depend on how much cache a server preallocated. The reference's
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,10 @@ class AttentionStats:
     varentropy: torch.Tensor
     agreement: torch.Tensor
     interaction_strength: torch.Tensor
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> AttentionStats:
+        """The statistics with `fn` applied to each."""
+        return AttentionStats(fn(self.entropy), fn(self.varentropy), fn(self.agreement), fn(self.interaction_strength))
 
 
 def token_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,8 +109,5 @@ class PositionMetrics:
 
     def flattened(self) -> PositionMetrics:
         """The same metrics with each tensor flattened ([branches, positions] → [branches·positions])."""
-        attention = self.attention
-        if attention is not None:
-            attention = AttentionStats(*(t.flatten() for t in (
-                attention.entropy, attention.varentropy, attention.agreement, attention.interaction_strength)))
+        attention = self.attention.map(torch.flatten) if self.attention is not None else None
         return PositionMetrics(self.entropy.flatten(), self.varentropy.flatten(), attention)
