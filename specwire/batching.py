@@ -163,7 +163,7 @@ class Scheduler:
             for row in range(self.cache.scratch_row):
                 self.cache.lengths[row] = 0
         except Exception as error:  # any compiler failure: serve eagerly
-            self._compiled = None
+            self._compiled = self._compiled_steps = None
             log.warning("torch.compile failed, serving eagerly: %s: %s", type(error).__name__, error)
             return False
         log.info("compiled the forward (%s) in %.1f s", self.device.type, time.perf_counter() - started)
