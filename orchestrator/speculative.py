@@ -24,8 +24,9 @@ n-gram drafter runs here, on the orchestrator's history: no draft message at all
 one-hot on the proposed token, which keeps the rule exact.
 
 Beyond the reference flow: γ is chosen per round (`num_speculative_tokens` unset or 0) from
-running estimates of the costs, trip times and α by the latency model in `speedup`, which may
-choose a target-only round (multi-step, as in `standard`) when speculation is predicted slower,
+running estimates of the costs, trip times and α by the latency model in `speedup` (starting
+from the costs the services timed at warm-up, `Info.forward_costs`, and with a verification
+that costs more the more positions it scores), which may choose a target-only round (multi-step, as in `standard`) when speculation is predicted slower,
 probing again after 4, 8, then every 16 such rounds; and with a model draft, the next round's
 proposal is drafted while the target verifies this one (pipelined drafting), on the guess that
 every draft is accepted and the bonus token is the draft's own next token. A wrong guess costs
@@ -166,9 +167,14 @@ class Speculation:
         self.target_sync = SessionSync(len(self.history), len(self.history))
         self.draft_sync = SessionSync(len(self.history), len(self.history))
         self.target_opened = self.draft_opened = False
-        self.estimates = RunningEstimates()
+        # The services' warm-up timings let the first round be planned, not guessed.
+        draft_ms = ctx.draft.info.decode_ms_per_token if self.draft is not None else 0.0
+        self.estimates = RunningEstimates.seeded(
+            ctx.target.info.forward_costs, ctx.target.info.decode_ms_per_token, draft_ms
+        )
         self.pending: Proposal | None = None  # proposed during the previous verification
         self.off_left = 0  # target-only rounds to run before probing speculation again
+        self.off_chunk = 1  # the last target-only round's k
         self.backoff = MIN_BACKOFF
         self.probing = False
 
@@ -176,8 +182,11 @@ class Speculation:
         ctx = self.ctx
         with ctx.round() as current:
             if not self.target_opened:
+                before = replace(ctx.stats.target)
                 await self.target.open(self._opening())
                 self.target_opened = True
+                spent = ctx.stats.target.since(before)
+                self.estimates.record_target_trip(spent.client_ms - spent.compute_ms)
             gamma = self._choose_gamma(remaining)
             if gamma is None:
                 decided = await self._target_only(remaining, current)
@@ -211,14 +220,20 @@ class Speculation:
         if self.off_left > 0:
             self.off_left -= 1
             return None
-        plan = self.estimates.plan(self.ctx.max_tokens_per_round, min(MAX_AUTO_GAMMA, cap), self.draft is not None)
-        if plan.speculate or (self.probing and plan.gamma > 0):
-            if plan.speculate:
-                self.backoff = MIN_BACKOFF
+        max_gamma, draft_trip = min(MAX_AUTO_GAMMA, cap), self.draft is not None
+        plan = self.estimates.plan(self.ctx.max_tokens_per_round, max_gamma, draft_trip)
+        if plan.speculate:
+            self.backoff, self.probing = MIN_BACKOFF, False
+            return plan.gamma
+        # A probe measures α again; it is worth its round only while α might still be high
+        # enough for speculation to pay.
+        if self.probing and plan.gamma > 0 and self.estimates.plan(
+            self.ctx.max_tokens_per_round, max_gamma, draft_trip, optimistic=True
+        ).speculate:
             self.probing = False
             return plan.gamma
-        # Speculation is predicted slower: target-only rounds, then one speculative round to
-        # measure α again; each probe that fails doubles the wait before the next.
+        # Speculation is predicted slower: target-only rounds, then a probe; each probe that
+        # fails doubles the wait before the next.
         self.off_left, self.backoff, self.probing = self.backoff - 1, min(2 * self.backoff, MAX_BACKOFF), True
         return None
 
@@ -238,9 +253,11 @@ class Speculation:
     # -- rounds -------------------------------------------------------------------------------
 
     async def _target_only(self, remaining: int, current: Round) -> list[int]:
-        """The target decides up to k tokens in one message, with the request's own rule."""
+        """The target decides up to k tokens in one message, with the request's own rule; k
+        doubles from 2 as greedy's rounds do, so the first tokens come as promptly."""
         ctx = self.ctx
-        count = min(ctx.max_tokens_per_round, remaining)
+        self.off_chunk = min(2 * self.off_chunk, ctx.max_tokens_per_round)
+        count = min(self.off_chunk, remaining)
         keep, append = self.target_sync.catch_up(self.history)
         before = replace(ctx.stats.target)
         result = await self.target.step(
@@ -257,7 +274,12 @@ class Speculation:
         assert result.proposed_ids is not None
         decided: list[int] = result.proposed_ids.reshape(-1).tolist()
         spent = ctx.stats.target.since(before)
-        self.estimates.record_target_only(spent.compute_ms, len(decided), spent.client_ms - spent.compute_ms)
+        # The plan prices target-only rounds at full length: the short first ones (unfused steps,
+        # a catch-up append) would overstate a token's cost.
+        if count >= ctx.max_tokens_per_round or self.estimates.target_ms_per_token is None:
+            self.estimates.record_target_only(spent.compute_ms, len(decided), spent.client_ms - spent.compute_ms)
+        else:
+            self.estimates.record_target_trip(spent.client_ms - spent.compute_ms)
         held = len(self.history) + len(decided)
         self.target_sync = SessionSync(held, held)
         ctx.stats.speculation_off_rounds += 1
@@ -374,7 +396,7 @@ class Speculation:
         )
         spent = ctx.stats.target.since(before)
         if ctx.stats.target.calls > 2:  # the first step carries the prompt's prefill
-            self.estimates.record_verify(spent.compute_ms, spent.client_ms - spent.compute_ms)
+            self.estimates.record_verify(spent.compute_ms, len(drafts) + 1, spent.client_ms - spent.compute_ms)
         return verified
 
     # -- bookkeeping --------------------------------------------------------------------------

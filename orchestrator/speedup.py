@@ -17,7 +17,13 @@ a target-only round) minimises the predicted time per token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+WILSON_Z = 1.645  # `RunningEstimates.alpha_upper`: a one-sided 95% bound
+# Milliseconds to verify γ drafts (one target forward over γ + 1 positions), by γ.
+VerifyCost = Callable[[int], float]
 
 
 def expected_tokens_per_round(alpha: float, gamma: float) -> float:
@@ -47,15 +53,38 @@ def time_per_token_ms(gamma: float, alpha: float, draft_ms_per_token: float, ver
 
 
 def best_gamma(
-    alpha: float, draft_ms_per_token: float, verify_ms: float, rtt_ms: float, max_gamma: int = 32
+    alpha: float, draft_ms_per_token: float, verify_ms: float | VerifyCost, rtt_ms: float, max_gamma: int = 32
 ) -> int:
-    """argmin over γ ∈ [1, max_gamma] of `time_per_token_ms` (the smallest γ on ties)."""
+    """argmin over γ ∈ [1, max_gamma] of `time_per_token_ms` (the smallest γ on ties); `verify_ms`
+    is one cost for every γ, or the cost at each γ (a forward that grows with its positions)."""
     if max_gamma < 1:
         raise ValueError(f"max_gamma must be ≥ 1, got {max_gamma}")
+    verify = _verify_cost(verify_ms)
     return min(
         range(1, max_gamma + 1),
-        key=lambda gamma: time_per_token_ms(gamma, alpha, draft_ms_per_token, verify_ms, rtt_ms),
+        key=lambda gamma: time_per_token_ms(gamma, alpha, draft_ms_per_token, verify(gamma), rtt_ms),
     )
+
+
+def forward_cost_at(costs: Sequence[tuple[int, float]], positions: int) -> float:
+    """A service's measured forward cost (`Info.forward_costs`: (positions, ms), ascending) at
+    `positions`: linear between the measured points, along the last two beyond them, the first
+    below it."""
+    if not costs:
+        raise ValueError("no forward costs measured")
+    if positions <= costs[0][0] or len(costs) == 1:
+        return costs[0][1]
+    for (n0, ms0), (n1, ms1) in zip(costs, costs[1:], strict=False):
+        if positions <= n1:
+            return ms0 + (ms1 - ms0) * (positions - n0) / (n1 - n0)
+    (n0, ms0), (n1, ms1) = costs[-2], costs[-1]
+    return ms1 + (ms1 - ms0) * (positions - n1) / (n1 - n0)
+
+
+def _verify_cost(verify_ms: float | VerifyCost) -> VerifyCost:
+    if callable(verify_ms):
+        return verify_ms
+    return lambda gamma: verify_ms
 
 
 def target_only_time_per_token_ms(step_ms_per_token: float, rtt_ms: float, tokens_per_round: int) -> float:
@@ -81,7 +110,7 @@ class RoundPlan:
 def plan_round(
     alpha: float,
     draft_ms_per_token: float,
-    verify_ms: float,
+    verify_ms: float | VerifyCost,
     rtt_ms: float,
     target_ms_per_token: float,
     target_rtt_ms: float,
@@ -89,12 +118,12 @@ def plan_round(
     max_gamma: int,
 ) -> RoundPlan:
     """γ* = argmin_γ (γ·t_d + t_v + R)(1 − α)/(1 − α^(γ+1)), to compare with target-only rounds,
-    t_s + R_t/k. R counts both services' trips, R_t the target's alone."""
+    t_s + R_t/k. R counts both services' trips, R_t the target's alone; t_v may depend on γ."""
     off_ms = target_only_time_per_token_ms(target_ms_per_token, target_rtt_ms, tokens_per_round)
     if max_gamma < 1:
         return RoundPlan(0, float("inf"), off_ms)
     gamma = best_gamma(alpha, draft_ms_per_token, verify_ms, rtt_ms, max_gamma)
-    spec_ms = time_per_token_ms(gamma, alpha, draft_ms_per_token, verify_ms, rtt_ms)
+    spec_ms = time_per_token_ms(gamma, alpha, draft_ms_per_token, _verify_cost(verify_ms)(gamma), rtt_ms)
     return RoundPlan(gamma, spec_ms, off_ms)
 
 
@@ -106,24 +135,63 @@ def _ema(old: float | None, new: float, weight: float = 0.3) -> float:
 class RunningEstimates:
     """One generation's running figures for `plan_round`: moving averages of measured costs and
     decayed acceptance counts (α by `alpha_estimate`, from a prior of 3 accepted, 2 rejected, so
-    the first rounds neither lock speculation in nor out). None until measured."""
+    the first rounds neither lock speculation in nor out). None until measured, unless the
+    services timed themselves at warm-up (`seeded`): then the first round is planned too.
+
+    The verify forward's cost depends on γ where a forward's cost grows with its positions (a
+    CPU: every position is another row through each matrix product). With the target's
+    measured curve (`Info.forward_costs`), t_v(γ) is that curve at γ + 1 positions times
+    `verify_scale`, the running ratio of what verifications take now to what the curve says (a
+    busier machine, a longer context); without it, t_v is one running figure for every γ."""
 
     draft_ms_per_token: float | None = None
     verify_ms: float | None = None
     target_ms_per_token: float | None = None  # target-only rounds: compute per decided token
     draft_trip_ms: float | None = None  # a draft message's time beyond the draft's compute
     target_trip_ms: float | None = None  # a target message's time beyond the target's compute
+    verify_costs: list[tuple[int, float]] = field(default_factory=list)  # the target's (positions, ms)
+    verify_scale: float = 1.0
     accepted: float = 3.0
     rejected: float = 2.0
     decay: float = 0.9
+
+    @classmethod
+    def seeded(
+        cls, verify_costs: list[tuple[int, float]], target_ms_per_token: float, draft_ms_per_token: float
+    ) -> RunningEstimates:
+        """Starting from the services' warm-up timings (0 = not measured)."""
+        return cls(
+            draft_ms_per_token=draft_ms_per_token or None,
+            target_ms_per_token=target_ms_per_token or None,
+            verify_costs=sorted(verify_costs),
+        )
 
     @property
     def alpha(self) -> float:
         return alpha_estimate(self.accepted, self.rejected)
 
     @property
+    def alpha_upper(self) -> float:
+        """The largest α the counts make plausible: the Wilson score bound, one-sided 95%. Probing
+        is worth a round only while speculation would pay at this α."""
+        trials = self.accepted + self.rejected
+        if trials <= 0:
+            return 1.0
+        z2 = WILSON_Z**2
+        p = self.alpha
+        spread = WILSON_Z * math.sqrt(p * (1.0 - p) / trials + z2 / (4.0 * trials**2))
+        return min(1.0, (p + z2 / (2.0 * trials) + spread) / (1.0 + z2 / trials))
+
+    @property
     def ready(self) -> bool:
-        return self.draft_ms_per_token is not None and self.verify_ms is not None
+        return self.draft_ms_per_token is not None and (self.verify_ms is not None or bool(self.verify_costs))
+
+    def verify_at(self, gamma: int) -> float:
+        """Predicted ms of a verification of γ drafts."""
+        if self.verify_costs:
+            return forward_cost_at(self.verify_costs, gamma + 1) * self.verify_scale
+        assert self.verify_ms is not None
+        return self.verify_ms
 
     def record_acceptance(self, drafted: int, accepted: int) -> None:
         """One verified round: `accepted` successes and, when short of `drafted`, one rejection."""
@@ -135,8 +203,11 @@ class RunningEstimates:
             self.draft_ms_per_token = _ema(self.draft_ms_per_token, compute_ms / tokens)
         self.draft_trip_ms = _ema(self.draft_trip_ms, trip_ms)
 
-    def record_verify(self, compute_ms: float, trip_ms: float) -> None:
+    def record_verify(self, compute_ms: float, positions: int, trip_ms: float) -> None:
         self.verify_ms = _ema(self.verify_ms, compute_ms)
+        if self.verify_costs:
+            expected = forward_cost_at(self.verify_costs, positions)
+            self.verify_scale = _ema(self.verify_scale, compute_ms / expected) if expected > 0 else 1.0
         self.target_trip_ms = _ema(self.target_trip_ms, trip_ms)
 
     def record_target_only(self, compute_ms: float, tokens: int, trip_ms: float) -> None:
@@ -144,16 +215,24 @@ class RunningEstimates:
             self.target_ms_per_token = _ema(self.target_ms_per_token, compute_ms / tokens)
         self.target_trip_ms = _ema(self.target_trip_ms, trip_ms)
 
-    def plan(self, tokens_per_round: int, max_gamma: int, draft_trip: bool) -> RoundPlan:
+    def record_target_trip(self, trip_ms: float) -> None:
+        """A target message's time beyond its compute, from a message of neither kind (the open)."""
+        self.target_trip_ms = _ema(self.target_trip_ms, trip_ms)
+
+    def plan(self, tokens_per_round: int, max_gamma: int, draft_trip: bool, optimistic: bool = False) -> RoundPlan:
         """The best next round; `draft_trip` is False when drafting costs no message (n-gram
-        drafting in the orchestrator, or a proposal already made in the previous round)."""
-        assert self.draft_ms_per_token is not None and self.verify_ms is not None
+        drafting in the orchestrator, or a proposal already made in the previous round);
+        `optimistic` plans at `alpha_upper` instead of α."""
+        assert self.draft_ms_per_token is not None and self.ready
         target_trip = self.target_trip_ms or 0.0
-        rtt = target_trip + ((self.draft_trip_ms or 0.0) if draft_trip else 0.0)
-        # Until a target-only round is measured, a decode step costs what a verify step does.
-        step = self.target_ms_per_token if self.target_ms_per_token is not None else self.verify_ms
+        # Until a draft message is measured, it is taken to cost what a target message does.
+        draft_trip_ms = self.draft_trip_ms if self.draft_trip_ms is not None else target_trip
+        rtt = target_trip + (draft_trip_ms if draft_trip else 0.0)
+        # Until a target-only round is measured, a decode step costs what a one-draft verify does.
+        step = self.target_ms_per_token if self.target_ms_per_token is not None else self.verify_at(0)
+        alpha = self.alpha_upper if optimistic else self.alpha
         return plan_round(
-            self.alpha, self.draft_ms_per_token, self.verify_ms, rtt, step, target_trip, tokens_per_round, max_gamma
+            alpha, self.draft_ms_per_token, self.verify_at, rtt, step, target_trip, tokens_per_round, max_gamma
         )
 
     def span_attributes(self) -> dict[str, float]:
@@ -161,6 +240,7 @@ class RunningEstimates:
             "alpha_estimate": self.alpha,
             "draft_ms_per_token": self.draft_ms_per_token,
             "verify_ms": self.verify_ms,
+            "verify_scale": self.verify_scale if self.verify_costs else None,
             "target_ms_per_token": self.target_ms_per_token,
             "draft_trip_ms": self.draft_trip_ms,
             "target_trip_ms": self.target_trip_ms,

@@ -14,7 +14,9 @@ import inspect
 import json
 import logging
 import os
+import statistics
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
@@ -59,6 +61,10 @@ MAX_BRANCHES = 64
 # demo target's server-side decode round took 23% less time compiled (README, "Compiled steps").
 COMPILE_PAYS_ON: frozenset[str] = frozenset({"cpu"})
 MAX_PROPOSE = 64
+# Warm-up timing (`Engine.measure_costs`, `Info.forward_costs`): forwards of this many new
+# positions, and greedy rounds of this many tokens.
+COST_POSITIONS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+DECODE_TOKENS = 8
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -219,6 +225,8 @@ class Engine:
         self._fingerprint = tokenizer_fingerprint(lm.tokenizer)
         self.cache: SlotCache | None = None
         self.scheduler: Scheduler | None = None
+        self._forward_costs: list[tuple[int, float]] = []  # measured by `warmup`
+        self._decode_ms_per_token = 0.0
         lean = lean_model(lm.model) if self.limits.batching else None
         if lean is not None:
             rows, max_len = cache_size(lean, lm, self.limits)
@@ -254,6 +262,8 @@ class Engine:
             dtype=str(next(self.lm.model.parameters()).dtype).removeprefix("torch."),
             cache=usage,
             medusa_heads=self.lm.medusa.num_heads if self.lm.medusa is not None else 0,
+            forward_costs=list(self._forward_costs),
+            decode_ms_per_token=self._decode_ms_per_token,
         )
 
     @property
@@ -274,12 +284,45 @@ class Engine:
         return EngineSession(self.lm, kv, self.max_tokens, slots)
 
     def warmup(self) -> None:
-        """One short generation, so the first request doesn't pay for lazy initialisation."""
+        """One short generation, so the first request doesn't pay for lazy initialisation; then
+        the forward costs `info` reports."""
         session = self.new_session()
         prompt = [i % self.lm.vocab_size for i in range(1, 9)]
         session.open(OpenRequest(prompt_ids=prompt, scoring=Scoring(ScoreKind.ARGMAX)))
         session.step(StepRequest(append_ids=[1], propose=2, propose_greedy=True))
         session.close()
+        self._forward_costs, self._decode_ms_per_token = self.measure_costs()
+
+    def measure_costs(self, repeats: int = 7) -> tuple[list[tuple[int, float]], float]:
+        """Median ms of one session's cached forward at each of `COST_POSITIONS` new positions,
+        all scored (a verification), and ms a token of an 8-token greedy round, after a 64-token
+        prompt (shorter where the context is); ([], 0.0) when the context is too short."""
+        held = min(64, self.max_tokens - COST_POSITIONS[-1] - DECODE_TOKENS - 1)
+        if held < 1:
+            return [], 0.0
+        session = self.new_session()
+        session.open(OpenRequest(prompt_ids=[i % self.lm.vocab_size for i in range(held)]))
+        filler = 1 % self.lm.vocab_size
+
+        def median_ms(step: StepRequest) -> float:
+            times = []
+            for _ in range(repeats + 1):  # the first of each shape is not counted
+                started = time.perf_counter()
+                session.step(replace(step, keep_tokens=held))
+                times.append(time.perf_counter() - started)
+            return statistics.median(times[1:]) * 1e3
+
+        try:
+            costs = [
+                (n, median_ms(StepRequest(append_ids=[filler] * n, scoring=Scoring(ScoreKind.ARGMAX, positions=n))))
+                for n in COST_POSITIONS
+            ]
+            decode = median_ms(
+                StepRequest(append_ids=[filler], propose=DECODE_TOKENS, propose_greedy=True, propose_ids_only=True)
+            )
+        finally:
+            session.close()
+        return costs, decode / DECODE_TOKENS
 
 
 def encode_probs(probs: torch.Tensor, config: ProcessingConfig) -> Scores:

@@ -323,6 +323,8 @@ def info_to_pb(info: ModelInfo) -> model_pb2.ModelInfo:
         dtype=info.dtype,
         medusa_heads=info.medusa_heads,
         cache=cache_to_pb(info.cache) if info.cache is not None else None,
+        forward_costs=[model_pb2.ForwardCost(positions=n, ms=ms) for n, ms in info.forward_costs],
+        decode_ms_per_token=info.decode_ms_per_token,
     )
 
 
@@ -352,6 +354,8 @@ def info_from_pb(message: model_pb2.ModelInfo) -> ModelInfo:
         dtype=message.dtype,
         medusa_heads=message.medusa_heads,
         cache=cache_from_pb(message.cache) if message.HasField("cache") else None,
+        forward_costs=[(cost.positions, cost.ms) for cost in message.forward_costs],
+        decode_ms_per_token=message.decode_ms_per_token,
     )
 
 

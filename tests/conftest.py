@@ -52,13 +52,17 @@ def loop() -> Iterator[LoopThread]:
     thread.close()
 
 
-def load_engine(path: Path, role: str) -> Engine:
-    return Engine(CausalLM.load(str(path), device="cpu", dtype="float32"), role)
+def load_engine(path: Path, role: str, warm: bool = True) -> Engine:
+    """As a model service loads one: warmed up, its forward costs timed for `Info`."""
+    engine = Engine(CausalLM.load(str(path), device="cpu", dtype="float32"), role)
+    if warm:
+        engine.warmup()
+    return engine
 
 
-def make_stack(loop: LoopThread, target_dir: Path, draft_dir: Path, **limits: object) -> Stack:
-    target = loop.run(start_model_server(load_engine(target_dir, "target")))
-    draft = loop.run(start_model_server(load_engine(draft_dir, "draft")))
+def make_stack(loop: LoopThread, target_dir: Path, draft_dir: Path, warm: bool = True, **limits: object) -> Stack:
+    target = loop.run(start_model_server(load_engine(target_dir, "target", warm)))
+    draft = loop.run(start_model_server(load_engine(draft_dir, "draft", warm)))
     orchestrator = loop.run(start_orchestrator(target.address, draft.address, str(target_dir), **limits))
     return Stack(loop, target, draft, orchestrator)
 

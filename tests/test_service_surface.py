@@ -8,6 +8,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from specwire.v1 import model_pb2, model_pb2_grpc
 
+from specwire.engine import COST_POSITIONS
 from tests.harness import LoopThread, Stack, start_model_server
 
 
@@ -29,6 +30,10 @@ def test_info_describes_the_model(llama_stack: Stack) -> None:
     assert info.vocab_size == 320 and info.max_context == 512 and list(info.eos_token_ids) == [0]
     assert len(info.tokenizer_fingerprint) == 64 and info.role == "target" and "session" in info.capabilities
     assert info.device == "cpu" and info.dtype == "float32"
+    # Timed at warm-up: a forward over more positions costs at least something, every point > 0.
+    costs = [(cost.positions, cost.ms) for cost in info.forward_costs]
+    assert [n for n, _ in costs] == list(COST_POSITIONS) and all(ms > 0 for _, ms in costs)
+    assert info.decode_ms_per_token > 0
 
 
 def test_health_is_not_serving_until_the_model_is_loaded(loop: LoopThread) -> None:

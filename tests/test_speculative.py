@@ -15,7 +15,7 @@ from specwire.orchestrator.speculative import (
     ngram_settings,
     one_hot_probs,
 )
-from specwire.orchestrator.speedup import RunningEstimates, plan_round, time_per_token_ms
+from specwire.orchestrator.speedup import RunningEstimates, forward_cost_at, plan_round, time_per_token_ms
 
 from specwire.acceptance import accept_draft, accept_drafts, residual_distribution
 from specwire.engine import CausalLM, Engine
@@ -238,11 +238,60 @@ def test_running_estimates_track_acceptance_and_costs() -> None:
         estimates.record_acceptance(drafted=4, accepted=4)
     assert estimates.alpha > 0.97
     estimates.record_draft(compute_ms=4.0, tokens=4, trip_ms=0.5)
-    estimates.record_verify(compute_ms=10.0, trip_ms=0.5)
+    estimates.record_verify(compute_ms=10.0, positions=5, trip_ms=0.5)
     assert estimates.ready and estimates.plan(8, 16, draft_trip=True).speculate
     for _ in range(40):  # now every first draft is rejected
         estimates.record_acceptance(drafted=4, accepted=0)
     assert estimates.alpha < 0.1 and not estimates.plan(8, 16, draft_trip=True).speculate
+
+
+def test_forward_cost_interpolates_between_measured_points_and_extrapolates_the_last_slope() -> None:
+    costs = [(1, 0.6), (2, 0.8), (4, 1.2), (8, 1.6)]
+    assert forward_cost_at(costs, 1) == forward_cost_at(costs, 0) == 0.6
+    assert forward_cost_at(costs, 3) == pytest.approx(1.0)
+    assert forward_cost_at(costs, 6) == pytest.approx(1.4)
+    assert forward_cost_at(costs, 16) == pytest.approx(2.4)  # 0.1 ms a position past 8
+    with pytest.raises(ValueError, match="no forward costs"):
+        forward_cost_at([], 3)
+
+
+def test_a_verification_that_grows_with_its_positions_moves_the_best_gamma_down() -> None:
+    """On a GPU a verification costs about what a decode step does, whatever γ; on a CPU each
+    position adds to it. The plan must see that: with the flat cost it drafts long, with the
+    growing one (the demo target's measured curve, roughly) shorter, and it may stop speculating."""
+    flat = plan_round(0.9, 0.15, 0.6, 0.4, 0.42, 0.2, tokens_per_round=16, max_gamma=16)
+    curve = [(1, 0.6), (2, 0.84), (4, 1.11), (5, 1.35), (8, 1.5), (16, 2.25)]
+    growing = plan_round(0.9, 0.15, lambda g: forward_cost_at(curve, g + 1), 0.4, 0.42, 0.2, 16, 16)
+    assert flat.speculate and growing.gamma < flat.gamma
+    assert growing.speculative_ms_per_token == pytest.approx(
+        time_per_token_ms(growing.gamma, 0.9, 0.15, forward_cost_at(curve, growing.gamma + 1), 0.4)
+    )
+    assert not growing.speculate  # 0.42 ms a token target-only beats every γ here
+
+
+def test_seeded_estimates_plan_the_first_round_and_scale_the_curve_by_what_they_measure() -> None:
+    estimates = RunningEstimates.seeded([(1, 1.0), (5, 2.0)], target_ms_per_token=1.0, draft_ms_per_token=0.1)
+    assert estimates.ready and estimates.verify_at(4) == pytest.approx(2.0)
+    estimates.plan(16, 8, draft_trip=True)  # no measurement needed before the first round
+    for _ in range(30):  # verifications now take twice what the curve says
+        estimates.record_verify(compute_ms=4.0, positions=5, trip_ms=0.3)
+    assert estimates.verify_scale == pytest.approx(2.0, rel=1e-3)
+    assert estimates.verify_at(0) == pytest.approx(2.0, rel=1e-3)
+    assert not RunningEstimates.seeded([], 0.0, 0.0).ready  # nothing timed: measure first
+
+
+def test_probing_is_worth_a_round_only_while_alpha_might_still_make_speculation_pay() -> None:
+    """The prior (3 accepted, 2 rejected) leaves α up to ~0.86 plausible. With a CPU-like
+    verification that grows with its positions, no γ pays even there: no probe. With a flat
+    (GPU-like) one it pays at that α, and after many rejections it no longer does."""
+    growing = RunningEstimates.seeded([(1, 0.6), (2, 0.84), (5, 1.35), (8, 1.5), (16, 2.25)], 0.42, 0.15)
+    assert 0.8 < growing.alpha_upper < 0.9
+    assert not growing.plan(16, 16, draft_trip=True, optimistic=True).speculate
+    flat = RunningEstimates.seeded([(1, 10.0), (16, 10.5)], 10.0, 3.0)
+    assert flat.plan(16, 16, draft_trip=True, optimistic=True).speculate
+    for _ in range(60):
+        flat.record_acceptance(drafted=4, accepted=0)
+    assert flat.alpha_upper < 0.3 and not flat.plan(16, 16, draft_trip=True, optimistic=True).speculate
 
 
 def test_the_ngram_drafters_settings_reach_the_orchestrator(llama_target_dir: Path) -> None:

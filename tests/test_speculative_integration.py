@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from specwire.draft_service.server import build_backend
 
 from specwire.config import ModelServiceConfig
 from specwire.errors import InvalidArgument
-from tests.conftest import hf_model
+from tests.conftest import hf_model, make_stack
 from tests.harness import LoopThread, Stack, start_orchestrator
 
 pytest_plugins = ["tests.spec_fixtures"]  # its fixtures: stacks and the small-vocabulary pair
@@ -92,16 +93,45 @@ def test_a_draft_that_agrees_has_every_round_after_the_first_proposed_during_ver
     check_stats_add_up(stats, untrimmed=True)
 
 
-def test_auto_gamma_falls_back_to_target_only_rounds_when_drafts_are_rejected(small_stack: Stack) -> None:
-    """The small pair's draft is another random model: speculation cannot pay, so auto γ (the
-    default) switches to target-only rounds, probes now and then, and the output stays greedy's."""
-    client = Client(small_stack.address)
-    expected = client.generate("abcab", strategy="greedy", max_new_tokens=48, ignore_eos=True).token_ids
-    result = client.generate("abcab", strategy="speculative", max_new_tokens=48, ignore_eos=True)
+@pytest.fixture(scope="module")
+def short_round_stacks(loop: LoopThread, small_target_dir: Path, small_draft_dir: Path) -> Iterator[dict[str, Stack]]:
+    """The small pair with target-only rounds of 4 tokens (16 rounds in 64, room for probes):
+    services that timed their forwards at warm-up, and services that did not (costs unknown)."""
+    stacks = {
+        warm: make_stack(loop, small_target_dir, small_draft_dir, warm=warm == "timed",
+                         max_new_tokens_limit=64, max_tokens_per_round=4)
+        for warm in ("timed", "untimed")
+    }
+    yield stacks
+    for stack in stacks.values():
+        stack.stop()
+
+
+def test_auto_gamma_planned_from_warm_up_timings_keeps_greedy_output(short_round_stacks: dict[str, Stack]) -> None:
+    """The small pair's draft is another random model and costs about what the target does.
+    With the services' warm-up timings the first round is planned, not guessed (which rounds
+    speculate follows the timings); the output is greedy's and the statistics add up."""
+    client = Client(short_round_stacks["timed"].address)
+    expected = client.generate("abcab", strategy="greedy", max_new_tokens=64, ignore_eos=True).token_ids
+    result = client.generate("abcab", strategy="speculative", max_new_tokens=64, ignore_eos=True)
+    stats = result.stats
+    assert result.token_ids == expected
+    assert stats.speculation_off_rounds > 0 and stats.target_ms_per_token_estimate > 0
+    check_stats_add_up(stats, untrimmed=True)
+
+
+def test_auto_gamma_falls_back_to_target_only_rounds_when_drafts_are_rejected(
+    short_round_stacks: dict[str, Stack],
+) -> None:
+    """Without warm-up timings auto γ speculates to measure; drafts from another random model are
+    rejected, so it switches to target-only rounds, and the output stays greedy's."""
+    client = Client(short_round_stacks["untimed"].address)
+    expected = client.generate("abcab", strategy="greedy", max_new_tokens=64, ignore_eos=True).token_ids
+    result = client.generate("abcab", strategy="speculative", max_new_tokens=64, ignore_eos=True)
     stats = result.stats
     assert result.token_ids == expected
     assert stats.speculation_off_rounds > 0 and stats.target_only_tokens > 0
-    assert stats.rounds > stats.speculation_off_rounds  # it speculated, and probed, too
+    assert stats.rounds > stats.speculation_off_rounds  # it speculated to measure
     assert 0 < stats.alpha_estimate < 0.5 and stats.verify_ms_estimate > 0 and stats.draft_ms_per_token_estimate > 0
     check_stats_add_up(stats, untrimmed=True)
 
