@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -168,6 +169,34 @@ class Scheduler:
             return False
         log.info("compiled the forward (%s) in %.1f s", self.device.type, time.perf_counter() - started)
         return True
+
+    def time_decode_step(self, rows: int, start: int, repeats: int = 200) -> tuple[float, float | None]:
+        """Median ms of one decode step of cache rows 0..rows−1 (free ones) at `start` cached
+        positions, batch building and logits included, no token choice: one forward, and a step
+        of fused greedy steps (None where they are not compiled). The rows' lengths go back to 0."""
+        if rows > self.cache.scratch_row:
+            raise ValueError(f"rows must be ≤ {self.cache.scratch_row}, got {rows}")
+
+        def job() -> ForwardJob:
+            return ForwardJob(list(range(rows)), torch.zeros((rows, 1), dtype=torch.long), start, 1)
+
+        def median_ms(step: Callable[[], object], per: int) -> float:
+            for _ in range(5):
+                step()
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - started)
+            return statistics.median(times) * 1e3 / per
+
+        try:
+            single = median_ms(lambda: self._forward([job()]), 1)
+            fused = median_ms(lambda: self._forward_steps([job()]), FUSED_STEPS) if self._compiled_steps else None
+        finally:
+            for row in range(rows):
+                self.cache.lengths[row] = 0
+        return single, fused
 
     def forget(self, owner: object) -> None:
         """`owner` sends no more jobs (its session closed): stop expecting it."""

@@ -17,7 +17,7 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
@@ -293,11 +293,13 @@ class Engine:
         session.close()
         self._forward_costs, self._decode_ms_per_token = self.measure_costs()
 
-    def measure_costs(self, repeats: int = 7) -> tuple[list[tuple[int, float]], float]:
-        """Median ms of one session's cached forward at each of `COST_POSITIONS` new positions,
-        all scored (a verification), and ms a token of an 8-token greedy round, after a 64-token
-        prompt (shorter where the context is); ([], 0.0) when the context is too short."""
-        held = min(64, self.max_tokens - COST_POSITIONS[-1] - DECODE_TOKENS - 1)
+    def measure_costs(
+        self, repeats: int = 7, positions: Sequence[int] = COST_POSITIONS, decode_tokens: int = DECODE_TOKENS
+    ) -> tuple[list[tuple[int, float]], float]:
+        """Median ms of one session's cached forward at each of `positions` new positions, all
+        scored (a verification), and ms a token of a `decode_tokens`-token greedy round, after a
+        64-token prompt (shorter where the context is); ([], 0.0) when the context is too short."""
+        held = min(64, self.max_tokens - max(positions) - decode_tokens - 1)
         if held < 1:
             return [], 0.0
         session = self.new_session()
@@ -315,14 +317,14 @@ class Engine:
         try:
             costs = [
                 (n, median_ms(StepRequest(append_ids=[filler] * n, scoring=Scoring(ScoreKind.ARGMAX, positions=n))))
-                for n in COST_POSITIONS
+                for n in positions
             ]
             decode = median_ms(
-                StepRequest(append_ids=[filler], propose=DECODE_TOKENS, propose_greedy=True, propose_ids_only=True)
+                StepRequest(append_ids=[filler], propose=decode_tokens, propose_greedy=True, propose_ids_only=True)
             )
         finally:
             session.close()
-        return costs, decode / DECODE_TOKENS
+        return costs, decode / decode_tokens
 
 
 def encode_probs(probs: torch.Tensor, config: ProcessingConfig) -> Scores:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from specwire.bench import bench, experiment
+from specwire.bench.bounds import medusa_bounds, speculative_bound
 from specwire.orchestrator.speedup import (
     alpha_estimate,
     best_gamma,
@@ -143,7 +144,10 @@ def test_bench_figures_are_consistent(bench_report: dict[str, Any]) -> None:
     for name in ("hf_target", "specwire_greedy"):
         assert rows[name]["acceptance_rate"] is None and rows[name]["predicted_speedup"] is None
     assert rows["hf_assisted_constant"]["bytes_per_round"] is None
-    spec = rows["specwire_speculative"]
+    # The fixed-γ row always speculates; auto γ may plan every round target-only (no figures).
+    auto = rows["specwire_speculative"]
+    assert auto["acceptance_rate"] is None or 0.0 <= auto["acceptance_rate"] <= 1.0
+    spec = rows["specwire_speculative_sequential"]
     assert 0.0 <= spec["acceptance_rate"] <= 1.0 and spec["cost_ratio_c"] > 0
     assert spec["predicted_speedup"] == pytest.approx(
         predicted_speedup(spec["alpha"], spec["gamma"], spec["cost_ratio_c"])
@@ -230,3 +234,19 @@ def test_experiment_writes_csv_and_plots_through_delay_proxies(
     for name in ("tokens_per_s_vs_rtt.png", "best_gamma.png", "round_breakdown.png", "best_gamma.csv", "summary.json"):
         assert (config.out_dir / name).stat().st_size > 0
     assert math.isfinite(summary["alpha_pooled"])
+
+
+def test_bounds_follow_the_latency_model_and_the_tree_sizes() -> None:
+    """`specwire bounds`: with a verification as cheap as a decode step (a GPU-like curve) and a
+    free draft, α = 0.9 pays the most at the largest γ; a curve that grows with its positions
+    caps both speculation and Medusa below what perfect heads would give on the flat one."""
+    flat = [(1, 1.0), (65, 1.0)]
+    row = speculative_bound(0.9, 1.0, 0.0, flat)
+    assert row["free_draft_best_gamma"] == 16
+    assert row["free_draft_ratio_vs_greedy"] == pytest.approx(expected_tokens_per_round(0.9, 16))
+    growing = [(1, 1.0), (65, 65.0)]  # every position costs a decode step: nothing can win
+    assert speculative_bound(0.9, 1.0, 0.0, growing)["free_draft_ratio_vs_greedy"] <= 1.0
+    medusa = medusa_bounds(1.0, flat, heads=3, expected={4: 0.8, 24: 1.5})
+    assert medusa["perfect_heads_ratio_vs_greedy"] == pytest.approx(4.0)  # 3 accepted + 1 a forward
+    assert medusa["shipped_heads_ratio_vs_greedy"] == pytest.approx(2.5)
+    assert medusa_bounds(1.0, growing, 3, {4: 0.8})["perfect_heads_ratio_vs_greedy"] == pytest.approx(1.0)

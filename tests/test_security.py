@@ -115,7 +115,8 @@ def client(stack: SecureStack, token: str | None = TOKEN) -> Client:
 
 def test_mutual_tls_on_every_hop_serves_a_speculative_generation(secure: SecureStack) -> None:
     with client(secure) as c:
-        result = c.generate(prompt="def", strategy="speculative", max_new_tokens=8, ignore_eos=True)
+        result = c.generate(prompt="def", strategy="speculative", num_speculative_tokens=3, max_new_tokens=8,
+                            ignore_eos=True)
         assert len(result.token_ids) == 8 and result.stats.drafted_tokens > 0  # orchestrator → draft and → target
         assert {(r.role, r.state) for r in c.info().replicas} == {("target", "serving"), ("draft", "serving")}
 

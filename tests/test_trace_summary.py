@@ -23,7 +23,10 @@ from tests.observed import SERVICES, start_observed_stack
 
 ROOT = Path(__file__).resolve().parent.parent
 STRATEGY = "speculative" if "speculative" in STRATEGIES else "greedy"
-SEQUENTIAL = {"speculative_pipeline": False} if STRATEGY == "speculative" else {}
+# A fixed γ: auto γ may plan every round target-only from the services' timings, and the draft
+# would then have no span.
+FIXED = {"num_speculative_tokens": 4} if STRATEGY == "speculative" else {}
+SEQUENTIAL = {"speculative_pipeline": False, **FIXED} if STRATEGY == "speculative" else {}
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +115,8 @@ def test_up_with_trace_dir_writes_one_trace_across_three_processes(
             if line.startswith("Ctrl-C"):
                 break
         with Client(f"127.0.0.1:{port}", timeout=60) as client:
-            result = client.generate(prompt="def add(a, b):", strategy=STRATEGY, max_new_tokens=8, ignore_eos=True)
+            result = client.generate(prompt="def add(a, b):", strategy=STRATEGY, max_new_tokens=8, ignore_eos=True,
+                                     **FIXED)
         process.send_signal(signal.SIGTERM)  # the services flush their spans as they stop
         assert process.wait(timeout=60) == 0
     finally:

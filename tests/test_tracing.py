@@ -71,8 +71,10 @@ def test_one_generation_is_one_trace_with_rounds_calls_and_service_spans(
     if strategy not in STRATEGIES:
         pytest.skip(f"strategy {strategy!r} is not registered yet")
     exporter.clear()
+    # A fixed γ: auto γ may plan every round target-only from the services' timings.
+    fixed = {"num_speculative_tokens": 4} if strategy == "speculative" else {}
     result = Client(traced.stack.address, timeout=60).generate(
-        prompt=PROMPT, strategy=strategy, max_new_tokens=20, ignore_eos=True
+        prompt=PROMPT, strategy=strategy, max_new_tokens=20, ignore_eos=True, **fixed
     )
     stats = result.stats
     spans = exporter.get_finished_spans()

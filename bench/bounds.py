@@ -1,0 +1,154 @@
+"""What this machine allows each strategy at best: the engine's own costs, measured in process,
+and the ratios to greedy that no network, orchestrator or scheduling work could improve on.
+
+    specwire bounds [--target-model DIR] [--draft-model DIR] [--medusa DIR] [--threads N] [--json]
+
+Measured, median, the engine as the services run it (`--compile auto`):
+- one session's cached forward at 1 … 65 new positions, all scored (`Engine.measure_costs`:
+  the curve a service reports in `Info.forward_costs`), and a token of a 16-token greedy round
+  (t_g: what `specwire_greedy` pays a token, before any message);
+- one decode step of 1 and of 8 sessions together (`Scheduler.time_decode_step`);
+- the draft's token in a greedy round (t_d);
+- the Medusa heads' expected accepted tokens E(N) for the best N-node tree on greedy
+  continuations of held-out text (`tune_medusa_tree`).
+
+Bounds, each a best case (no message, no token choice, no orchestrator):
+- batching: 8 streams ÷ one ≤ 8·t(1 row) / t(8 rows); with 8 streams always in flight each
+  stream's time per token is 8 / (the aggregate rate) (Little's law), so their per-token latency
+  ÷ one stream's ≥ 8 / that ratio;
+- speculative sampling at acceptance α: a round of γ drafts yields E = (1 − α^(γ+1))/(1 − α)
+  tokens (Leviathan et al. 2023, Eq. 1) and costs γ·t_d + t_v(γ+1); the best ratio to greedy
+  over γ ≤ 16 is max_γ t_g·E / (γ·t_d + t_v(γ+1)), and with a free draft max_γ t_g·E / t_v(γ+1);
+- Medusa: with K heads a round accepts at most K tokens, scoring at least d + 1 positions to
+  accept d: perfect heads reach at most max_{d ≤ K} t_g·(d + 1) / t_v(d + 1); the shipped
+  heads at most max_N t_g·(1 + E(N)) / t_v(N + 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from specwire.orchestrator.speedup import expected_tokens_per_round, forward_cost_at
+from specwire.target_service.tune_medusa_tree import measure as tune
+
+from specwire.demo import demo_draft_dir, demo_medusa_dir, demo_target_dir
+from specwire.engine import CausalLM, Engine, EngineLimits
+from specwire.medusa import MedusaHeads
+
+POSITIONS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 13, 16, 17, 24, 25, 33, 49, 65)
+GREEDY_ROUND = 16
+ALPHAS = (0.7, 0.77, 0.8, 0.9, 0.95)
+MAX_GAMMA = 16
+STREAMS = 8
+
+
+def speculative_bound(alpha: float, greedy_ms: float, draft_ms: float, verify: list[tuple[int, float]]) -> dict[str, float]:
+    """The best ratio to greedy over γ ≤ MAX_GAMMA, with the draft's cost and with a free draft."""
+
+    def ratio(gamma: int, draft: float) -> float:
+        cost = gamma * draft + forward_cost_at(verify, gamma + 1)
+        return greedy_ms * expected_tokens_per_round(alpha, gamma) / cost
+
+    best = max(range(1, MAX_GAMMA + 1), key=lambda gamma: ratio(gamma, draft_ms))
+    free = max(range(1, MAX_GAMMA + 1), key=lambda gamma: ratio(gamma, 0.0))
+    return {
+        "alpha": alpha,
+        "best_gamma": best,
+        "ratio_vs_greedy": ratio(best, draft_ms),
+        "free_draft_best_gamma": free,
+        "free_draft_ratio_vs_greedy": ratio(free, 0.0),
+    }
+
+
+def medusa_bounds(
+    greedy_ms: float, verify: list[tuple[int, float]], heads: int, expected: dict[int, float]
+) -> dict[str, Any]:
+    perfect = {d: greedy_ms * (d + 1) / forward_cost_at(verify, d + 1) for d in range(1, heads + 1)}
+    shipped = {n: greedy_ms * (1 + e) / forward_cost_at(verify, n + 1) for n, e in expected.items()}
+    return {
+        "heads": heads,
+        "perfect_heads_ratio_vs_greedy": max(perfect.values()),
+        "perfect_heads_by_depth": perfect,
+        "expected_accepted_by_nodes": expected,
+        "shipped_heads_ratio_vs_greedy": max(shipped.values()) if shipped else None,
+        "shipped_heads_by_nodes": shipped,
+    }
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    engines = {}
+    for role, path in (("target", args.target_model), ("draft", args.draft_model)):
+        lm = CausalLM.load(path, device="cpu", dtype="float32")
+        engines[role] = Engine(lm, role, EngineLimits(max_batch_rows=STREAMS + 1, max_cache_len=1024))
+        engines[role].warmup()
+    target, draft = engines["target"], engines["draft"]
+    verify, greedy_ms = target.measure_costs(repeats=args.repeats, positions=POSITIONS, decode_tokens=GREEDY_ROUND)
+    _, draft_ms = draft.measure_costs(repeats=args.repeats, positions=(1,), decode_tokens=GREEDY_ROUND)
+    assert target.scheduler is not None
+    one = target.scheduler.time_decode_step(1, start=96)
+    many = target.scheduler.time_decode_step(STREAMS, start=96)
+    step_1, step_8 = (one[1], many[1]) if one[1] is not None and many[1] is not None else (one[0], many[0])
+    batching = STREAMS * step_1 / step_8
+    report: dict[str, Any] = {
+        "threads": args.threads,
+        "target": {"forward_costs_ms": dict(verify), "greedy_ms_per_token": greedy_ms},
+        "draft": {"greedy_ms_per_token": draft_ms},
+        "batching": {
+            "step_ms_1_row": one[0], "step_ms_8_rows": many[0],
+            "fused_step_ms_1_row": one[1], "fused_step_ms_8_rows": many[1],
+            "streams_8_vs_1_at_most": batching,
+            "p50_latency_8_vs_1_at_least": STREAMS / batching,
+        },
+        "speculative": [speculative_bound(alpha, greedy_ms, draft_ms, verify) for alpha in ALPHAS],
+    }
+    if args.medusa and Path(args.medusa).is_dir():
+        tuned = tune(argparse.Namespace(
+            model=args.target_model, heads=args.medusa, nodes=24, prompts=args.medusa_prompts, prompt_chars=300,
+            new_tokens=64, max_rank=6, threads=args.threads,
+        ))
+        heads = MedusaHeads.load(args.medusa).num_heads
+        report["medusa"] = medusa_bounds(greedy_ms, verify, heads, tuned["expected_accepted_by_nodes"])
+    return report
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "bounds", help="the engine's costs here, and the best ratio to greedy each strategy could reach"
+    )
+    parser.add_argument("--target-model", default=str(demo_target_dir()))
+    parser.add_argument("--draft-model", default=str(demo_draft_dir()))
+    parser.add_argument("--medusa", default=str(demo_medusa_dir()), help="heads directory ('' to skip)")
+    parser.add_argument("--medusa-prompts", type=int, default=16, help="held-out prompts for the heads' E(N)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (a service's share of the cores)")
+    parser.add_argument("--repeats", type=int, default=31)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--out", help="also write the JSON report here")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    report = measure(args)
+    document = json.dumps(report, indent=2)
+    if args.out:
+        Path(args.out).write_text(document + "\n")
+    if args.json:
+        print(document)
+        return 0
+    target, batching = report["target"], report["batching"]
+    print(f"greedy: {target['greedy_ms_per_token']:.3f} ms a token; draft {report['draft']['greedy_ms_per_token']:.3f}")
+    print("forward at n positions, ms: " + ", ".join(f"{n}: {ms:.2f}" for n, ms in target["forward_costs_ms"].items()))
+    print(f"8 streams ÷ 1 ≤ {batching['streams_8_vs_1_at_most']:.2f}; "
+          f"their p50 latency ÷ one stream's ≥ {batching['p50_latency_8_vs_1_at_least']:.2f}")
+    for row in report["speculative"]:
+        print(f"speculative at α = {row['alpha']}: ≤ {row['ratio_vs_greedy']:.2f}× greedy (γ = {row['best_gamma']}), "
+              f"free draft ≤ {row['free_draft_ratio_vs_greedy']:.2f}× (γ = {row['free_draft_best_gamma']})")
+    if "medusa" in report:
+        medusa = report["medusa"]
+        print(f"medusa: perfect {medusa['heads']} heads ≤ {medusa['perfect_heads_ratio_vs_greedy']:.2f}× greedy, "
+              f"the shipped heads ≤ {medusa['shipped_heads_ratio_vs_greedy']:.2f}×")
+    return 0
