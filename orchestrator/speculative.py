@@ -252,12 +252,12 @@ class Speculation:
 
     # -- rounds -------------------------------------------------------------------------------
 
-    async def _target_only(self, remaining: int, current: Round) -> list[int]:
+    async def _target_only(self, remaining: int, current: Round, most: int | None = None) -> list[int]:
         """The target decides up to k tokens in one message, with the request's own rule; k
         doubles from 2 as greedy's rounds do, so the first tokens come as promptly."""
         ctx = self.ctx
         self.off_chunk = min(2 * self.off_chunk, ctx.max_tokens_per_round)
-        count = min(self.off_chunk, remaining)
+        count = min(self.off_chunk, remaining, most or remaining)
         keep, append = self.target_sync.catch_up(self.history)
         before = replace(ctx.stats.target)
         result = await self.target.step(
@@ -293,6 +293,11 @@ class Speculation:
         proposal = self.pending or await self._propose(gamma)
         self.pending = None
         drafts = proposal.tokens
+        if not drafts:
+            # Nothing to verify (no n-gram match, or a draft under its confidence threshold):
+            # the target's one message may as well decide as many tokens as a fully accepted
+            # round would have, and the drafter looks again after them.
+            return await self._target_only(remaining, current, most=gamma + 1)
         ahead_gamma = self._ahead_gamma(len(drafts), remaining)
         if ahead_gamma > 0:
             verified, ahead = await asyncio.gather(self._verify(proposal), self._propose_ahead(drafts, ahead_gamma + 1))

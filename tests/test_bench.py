@@ -156,7 +156,8 @@ def test_bench_figures_are_consistent(bench_report: dict[str, Any]) -> None:
     assert spec["bytes_per_round"] > 0 and spec["overhead_ms_per_round"] >= 0
     assert rows["specwire_greedy"]["bytes_per_round"] > 0
     assert rows["specwire_speculative_sequential"]["pipelined_round_share"] == 0.0
-    assert rows["specwire_speculative_sequential"]["speculation_off_rounds_per_generation"] == 0.0
+    # A fixed γ never falls back; only a last round with nothing left to draft is target-only.
+    assert rows["specwire_speculative_sequential"]["speculation_off_rounds_per_generation"] <= 1.0
     for name in ("specwire_speculative", "specwire_speculative_ngram", "specwire_greedy"):
         row = rows[name]
         assert row["ratio_vs_hf_target"] == pytest.approx(row["tokens_per_s"] / rows["hf_target"]["tokens_per_s"])

@@ -71,8 +71,9 @@ def test_a_target_drafting_for_itself_has_every_greedy_draft_accepted(self_draft
         .stats
     )
     assert stats.corrections == 0 and stats.acceptance_rate == 1.0
-    # 6 full rounds of 4 + 1 tokens, then the 31st token without drafts
-    assert list(stats.accepted_length_histogram) == [1, 0, 0, 0, 6] and stats.tokens_per_target_forward > 4
+    # 6 full rounds of 4 + 1 tokens, then the 31st token: nothing left to draft, a target-only round
+    assert list(stats.accepted_length_histogram) == [0, 0, 0, 0, 6] and stats.tokens_per_target_forward > 4
+    assert stats.speculation_off_rounds == 1 and stats.target_only_tokens == 1
 
 
 def test_a_draft_that_agrees_has_every_round_after_the_first_proposed_during_verification(
@@ -305,5 +306,6 @@ def test_cli_json_shows_the_speculative_statistics(
     stats = json.loads(capsys.readouterr().out)["stats"]
     for name in ("drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "corrections"):
         assert name in stats
-    assert stats["new_tokens"] == 12 == stats["accepted_tokens"] + stats["corrections"] + stats["bonus_tokens"]
-    assert sum(stats["accepted_length_histogram"]) == stats["rounds"]
+    decided = stats["accepted_tokens"] + stats["corrections"] + stats["bonus_tokens"] + stats["target_only_tokens"]
+    assert stats["new_tokens"] == 12 == decided  # rounds with no n-gram match are target-only
+    assert sum(stats["accepted_length_histogram"]) == stats["rounds"] - stats["speculation_off_rounds"]
