@@ -96,6 +96,15 @@ def small_stack(loop: LoopThread, small_target_dir: Path, small_draft_dir: Path)
 
 
 @pytest.fixture(scope="session")
+def small_untimed_stack(loop: LoopThread, small_target_dir: Path, small_draft_dir: Path) -> Iterator[Stack]:
+    """The small pair on services that did not time their forwards: auto γ's first round
+    speculates (to measure), whatever the timings would have said."""
+    stack = make_stack(loop, small_target_dir, small_draft_dir, warm=False, max_new_tokens_limit=64)
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
 def small_ngram_stack(loop: LoopThread, small_target_dir: Path) -> Iterator[Stack]:
     stack = make_ngram_stack(loop, small_target_dir, max_new_tokens_limit=64)
     yield stack

@@ -210,7 +210,8 @@ async def _first_tokens(
         # token 3 comes from the round proposed during the first verification (pipelined).
         ("small_stack", "abcab", 1, 1500, 3),
         # Auto γ (0): its γ, and its target-only rounds, follow timings; the output must not.
-        ("small_stack", "abcab", 0, 1500, 3),
+        # Untimed services, so that the first round speculates.
+        ("small_untimed_stack", "abcab", 0, 1500, 3),
     ],
     ids=["model-draft", "ngram-draft", "pipelined", "auto-gamma"],
 )
