@@ -426,8 +426,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
                  {"strategy": "greedy", "repetition_penalty": 1.3, "no_repeat_ngram_size": 3}),
                 ("sample (T=0.8, top-p 0.95, seed 1)", {"strategy": "sample", "temperature": 0.8, "top_p": 0.95, "seed": 1}),
                 ("beam (4 beams, no repeated 3-grams)", {"strategy": "beam", "num_beams": 4, "no_repeat_ngram_size": 3}),
-                ("speculative (auto γ, pipelined drafting): same text as greedy, fewer target forwards",
+                ("speculative (auto γ): same text as greedy; it drafts only where the measured costs say it pays",
                  {"strategy": "speculative"}),
+                ("speculative (γ = 4, every round drafted): same text, fewer target forwards, slower on a CPU",
+                 {"strategy": "speculative", "num_speculative_tokens": 4}),
                 ("contrastive (O'Brien & Lewis, α=0.1, β=0.5)", {"strategy": "contrastive"}),
                 ("entropix (entropy-adaptive, reference defaults, seed 1)", {"strategy": "entropix", "seed": 1}),
             ]
@@ -440,6 +442,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 line = f"\n=== {label}\n    {s.new_tokens} tokens in {s.wall_ms:.0f} ms, {s.target_forwards} target forwards"
                 if s.drafted_tokens:
                     line += f", acceptance {s.acceptance_rate:.0%}, {s.tokens_per_target_forward:.2f} tokens/forward"
+                if s.speculation_off_rounds:
+                    line += f", {s.speculation_off_rounds} of {s.rounds} rounds target-only"
                 if s.entropix_states:
                     line += f", states: {format_states(s.entropix_states)}"
                 print(line + f", finish={result.finish_reason}")
