@@ -26,8 +26,10 @@ one-hot on the proposed token, which keeps the rule exact.
 Beyond the reference flow: γ is chosen per round (`num_speculative_tokens` unset or 0) from
 running estimates of the costs, trip times and α by the latency model in `speedup` (starting
 from the costs the services timed at warm-up, `Info.forward_costs`, and with a verification
-that costs more the more positions it scores), which may choose a target-only round (multi-step, as in `standard`) when speculation is predicted slower,
-probing again after 4, 8, then every 16 such rounds; and with a model draft, the next round's
+that costs more the more positions it scores), which may choose a target-only round
+(multi-step, as in `standard`) when speculation is predicted slower, probing again after 4, 8,
+then every 16 such rounds while α's upper bound leaves speculation a chance; a round with
+nothing to verify is a target-only one too. With a model draft, the next round's
 proposal is drafted while the target verifies this one (pipelined drafting), on the guess that
 every draft is accepted and the bonus token is the draft's own next token. A wrong guess costs
 a discarded proposal and a roll-back that rides on the next draft message.
