@@ -10,7 +10,9 @@ Measured, median, the engine as the services run it (`--compile auto`):
 - one decode step of 1 and of 8 sessions together (`Scheduler.time_decode_step`);
 - the draft's token in a greedy round (t_d);
 - the Medusa heads' expected accepted tokens E(N) for the best N-node tree on greedy
-  continuations of held-out text (`tune_medusa_tree`).
+  continuations of held-out text (`tune_medusa_tree`);
+- one float32 matrix product (`nn.functional.linear`) at 1 … 16 rows, for the demo target's
+  output layer and for a 64 MiB weight: does a larger model make extra rows cheap here?
 
 Bounds, each a best case (no message, no token choice, no orchestrator):
 - batching: 8 streams ÷ one ≤ 8·t(1 row) / t(8 rows); with 8 streams always in flight each
@@ -28,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,29 @@ GREEDY_ROUND = 16
 ALPHAS = (0.7, 0.77, 0.8, 0.9, 0.95)
 MAX_GAMMA = 16
 STREAMS = 8
+MATMUL_SHAPES = ((256, 4096), (1024, 4096), (2048, 8192))  # (in, out) features
+MATMUL_ROWS = (1, 2, 5, 8, 16)
+
+
+def matmul_scaling(repeats: int) -> list[dict[str, Any]]:
+    """Median µs of x[rows, in] @ W[out, in]ᵀ, and each as a multiple of one row's."""
+    report = []
+    for features_in, features_out in MATMUL_SHAPES:
+        weight = torch.randn(features_out, features_in)
+        times = {}
+        for rows in MATMUL_ROWS:
+            x = torch.randn(rows, features_in)
+            samples = []
+            for _ in range(repeats + 3):
+                started = time.perf_counter()
+                torch.nn.functional.linear(x, weight)
+                samples.append(time.perf_counter() - started)
+            times[rows] = statistics.median(samples[3:]) * 1e6
+        report.append({
+            "shape": [features_in, features_out], "weight_mib": features_in * features_out * 4 / 2**20,
+            "us_by_rows": times, "times_one_row": {rows: us / times[1] for rows, us in times.items()},
+        })
+    return report
 
 
 def speculative_bound(alpha: float, greedy_ms: float, draft_ms: float, verify: list[tuple[int, float]]) -> dict[str, float]:
@@ -105,6 +132,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "p50_latency_8_vs_1_at_least": STREAMS / batching,
         },
         "speculative": [speculative_bound(alpha, greedy_ms, draft_ms, verify) for alpha in ALPHAS],
+        "matmul": matmul_scaling(args.repeats * 4),
     }
     if args.medusa and Path(args.medusa).is_dir():
         tuned = tune(argparse.Namespace(
@@ -147,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
     for row in report["speculative"]:
         print(f"speculative at α = {row['alpha']}: ≤ {row['ratio_vs_greedy']:.2f}× greedy (γ = {row['best_gamma']}), "
               f"free draft ≤ {row['free_draft_ratio_vs_greedy']:.2f}× (γ = {row['free_draft_best_gamma']})")
+    for product in report["matmul"]:
+        ratios = ", ".join(f"{rows}: {ratio:.2f}" for rows, ratio in product["times_one_row"].items())
+        print(f"matrix product {product['shape']} ({product['weight_mib']:.0f} MiB), × one row's time: {ratios}")
     if "medusa" in report:
         medusa = report["medusa"]
         print(f"medusa: perfect {medusa['heads']} heads ≤ {medusa['perfect_heads_ratio_vs_greedy']:.2f}× greedy, "
