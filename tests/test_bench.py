@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from specwire.bench import bench, experiment
+from specwire.bench import bench, bounds, experiment
 from specwire.bench.bounds import medusa_bounds, speculative_bound
 from specwire.orchestrator.speedup import (
     alpha_estimate,
@@ -251,3 +251,25 @@ def test_bounds_follow_the_latency_model_and_the_tree_sizes() -> None:
     assert medusa["perfect_heads_ratio_vs_greedy"] == pytest.approx(4.0)  # 3 accepted + 1 a forward
     assert medusa["shipped_heads_ratio_vs_greedy"] == pytest.approx(2.5)
     assert medusa_bounds(1.0, growing, 3, {4: 0.8})["perfect_heads_ratio_vs_greedy"] == pytest.approx(1.0)
+
+
+def test_bounds_times_the_engine_and_reports_consistent_ratios(llama_target_dir: Path, llama_draft_dir: Path) -> None:
+    """`specwire bounds` end to end on tiny models (eager here: the suite does not compile)."""
+    args = argparse.Namespace(
+        target_model=str(llama_target_dir), draft_model=str(llama_draft_dir), medusa="", medusa_prompts=1,
+        threads=1, repeats=2,
+    )
+    report = bounds.measure(args)
+    costs = report["target"]["forward_costs_ms"]
+    assert list(costs) == list(bounds.POSITIONS) and all(ms > 0 for ms in costs.values())
+    assert report["target"]["greedy_ms_per_token"] > 0 and report["draft"]["greedy_ms_per_token"] > 0
+    batching = report["batching"]
+    assert batching["fused_step_ms_1_row"] is None  # no compiled fused steps when eager
+    assert batching["streams_8_vs_1_at_most"] == pytest.approx(
+        8 * batching["step_ms_1_row"] / batching["step_ms_8_rows"]
+    )
+    assert batching["p50_latency_8_vs_1_at_least"] == pytest.approx(8 / batching["streams_8_vs_1_at_most"])
+    for row in report["speculative"]:  # a free draft can only do better
+        assert 0 < row["ratio_vs_greedy"] <= row["free_draft_ratio_vs_greedy"]
+    assert [product["times_one_row"][1] for product in report["matmul"]] == [1.0] * len(bounds.MATMUL_SHAPES)
+    assert "medusa" not in report
