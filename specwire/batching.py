@@ -415,12 +415,10 @@ def _fusable(job: ForwardJob) -> bool:
 
 def _join_metrics(parts: list[PositionMetrics]) -> PositionMetrics:
     """Per-chunk metrics ([rows, keep] each) joined along the kept tokens."""
-    attention = [part.attention for part in parts if part.attention is not None]
-    stats = [[a.entropy, a.varentropy, a.agreement, a.interaction_strength] for a in attention]
     return PositionMetrics(
         torch.cat([part.entropy for part in parts], dim=1),
         torch.cat([part.varentropy for part in parts], dim=1),
-        AttentionStats(*(torch.cat(column, dim=1) for column in zip(*stats, strict=True))),
+        AttentionStats.cat([part.attention for part in parts if part.attention is not None], dim=1),
     )
 
 

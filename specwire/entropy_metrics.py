@@ -22,7 +22,7 @@ so values do not depend on how much cache a server preallocated. The reference's
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -42,6 +42,12 @@ class AttentionStats:
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> AttentionStats:
         """The statistics with `fn` applied to each."""
         return AttentionStats(fn(self.entropy), fn(self.varentropy), fn(self.agreement), fn(self.interaction_strength))
+
+    @staticmethod
+    def cat(parts: list[AttentionStats], dim: int) -> AttentionStats:
+        """Each statistic of `parts` concatenated along `dim`."""
+        columns = [[getattr(part, column.name) for part in parts] for column in fields(AttentionStats)]
+        return AttentionStats(*(torch.cat(column, dim=dim) for column in columns))
 
 
 def token_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
