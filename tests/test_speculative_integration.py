@@ -108,17 +108,22 @@ def short_round_stacks(loop: LoopThread, small_target_dir: Path, small_draft_dir
         stack.stop()
 
 
+def auto_gamma_against_greedy(stack: Stack) -> Any:
+    """Auto γ's statistics for 64 tokens of the small pair, its tokens checked against greedy's."""
+    client = Client(stack.address)
+    expected = client.generate("abcab", strategy="greedy", max_new_tokens=64, ignore_eos=True).token_ids
+    result = client.generate("abcab", strategy="speculative", max_new_tokens=64, ignore_eos=True)
+    assert result.token_ids == expected
+    check_stats_add_up(result.stats, untrimmed=True)
+    return result.stats
+
+
 def test_auto_gamma_planned_from_warm_up_timings_keeps_greedy_output(short_round_stacks: dict[str, Stack]) -> None:
     """The small pair's draft is another random model and costs about what the target does.
     With the services' warm-up timings the first round is planned, not guessed (which rounds
     speculate follows the timings); the output is greedy's and the statistics add up."""
-    client = Client(short_round_stacks["timed"].address)
-    expected = client.generate("abcab", strategy="greedy", max_new_tokens=64, ignore_eos=True).token_ids
-    result = client.generate("abcab", strategy="speculative", max_new_tokens=64, ignore_eos=True)
-    stats = result.stats
-    assert result.token_ids == expected
+    stats = auto_gamma_against_greedy(short_round_stacks["timed"])
     assert stats.speculation_off_rounds > 0 and stats.target_ms_per_token_estimate > 0
-    check_stats_add_up(stats, untrimmed=True)
 
 
 def test_auto_gamma_falls_back_to_target_only_rounds_when_drafts_are_rejected(
@@ -126,15 +131,10 @@ def test_auto_gamma_falls_back_to_target_only_rounds_when_drafts_are_rejected(
 ) -> None:
     """Without warm-up timings auto γ speculates to measure; drafts from another random model are
     rejected, so it switches to target-only rounds, and the output stays greedy's."""
-    client = Client(short_round_stacks["untimed"].address)
-    expected = client.generate("abcab", strategy="greedy", max_new_tokens=64, ignore_eos=True).token_ids
-    result = client.generate("abcab", strategy="speculative", max_new_tokens=64, ignore_eos=True)
-    stats = result.stats
-    assert result.token_ids == expected
+    stats = auto_gamma_against_greedy(short_round_stacks["untimed"])
     assert stats.speculation_off_rounds > 0 and stats.target_only_tokens > 0
     assert stats.rounds > stats.speculation_off_rounds  # it speculated to measure
     assert 0 < stats.alpha_estimate < 0.5 and stats.verify_ms_estimate > 0 and stats.draft_ms_per_token_estimate > 0
-    check_stats_add_up(stats, untrimmed=True)
 
 
 def test_no_draft_tokens_are_spent_past_max_new_tokens(self_draft_stack: Stack) -> None:
