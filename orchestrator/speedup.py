@@ -122,8 +122,9 @@ def plan_round(
     off_ms = target_only_time_per_token_ms(target_ms_per_token, target_rtt_ms, tokens_per_round)
     if max_gamma < 1:
         return RoundPlan(0, float("inf"), off_ms)
-    gamma = best_gamma(alpha, draft_ms_per_token, verify_ms, rtt_ms, max_gamma)
-    spec_ms = time_per_token_ms(gamma, alpha, draft_ms_per_token, _verify_cost(verify_ms)(gamma), rtt_ms)
+    verify = _verify_cost(verify_ms)
+    gamma = best_gamma(alpha, draft_ms_per_token, verify, rtt_ms, max_gamma)
+    spec_ms = time_per_token_ms(gamma, alpha, draft_ms_per_token, verify(gamma), rtt_ms)
     return RoundPlan(gamma, spec_ms, off_ms)
 
 
