@@ -15,9 +15,9 @@ from typing import Protocol
 
 import torch
 
+from specwire.engine.cache import CacheUsage
 from specwire.entropy_metrics import PositionMetrics
 from specwire.processing import ProcessingConfig
-from specwire.slot_cache import CacheUsage
 
 
 class ScoreKind(enum.IntEnum):

@@ -11,6 +11,7 @@ from typing import cast
 
 import torch
 
+from specwire.engine.cache import CacheUsage
 from specwire.entropy_metrics import AttentionStats, PositionMetrics
 from specwire.errors import InvalidArgument
 from specwire.processing import ProcessingConfig
@@ -27,7 +28,6 @@ from specwire.session import (
     Verdict,
     Verification,
 )
-from specwire.slot_cache import CacheUsage
 from specwire.v1 import common_pb2, model_pb2
 
 _DTYPES: dict[str, torch.dtype] = {

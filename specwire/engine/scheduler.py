@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from specwire.engine.cache import SlotCache
+from specwire.engine.forward import ForwardBatch, ForwardOutput, LeanModel, greedy_steps
 from specwire.entropy_metrics import AttentionStats, PositionMetrics
-from specwire.lean_forward import ForwardBatch, ForwardOutput, LeanModel, greedy_steps
-from specwire.slot_cache import SlotCache
 
 log = logging.getLogger("specwire")
 

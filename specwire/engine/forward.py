@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from specwire.engine.cache import CacheShape, SlotCache
 from specwire.entropy_metrics import PositionMetrics, attention_scores, attention_stats, token_entropy
-from specwire.slot_cache import CacheShape, SlotCache
 
 
 @dataclass
