@@ -20,8 +20,9 @@ from specwire.draft_service import distill
 from specwire.target_service import train_medusa
 from specwire.v1 import orchestrator_pb2
 
-from specwire import __version__
+from specwire import __version__, model_zoo
 from specwire.config import OrchestratorConfig, compile_default
+from specwire.engine import quantize
 from specwire.extras import require
 
 # Generation flags: (flag, type, help). The SDK keyword is the flag with underscores.
@@ -47,9 +48,11 @@ GENERATION_FLAGS: list[tuple[str, Any, str]] = [
 
 
 def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: int) -> None:
-    parser.add_argument("--model", help="model directory or hub id (default: the embedded demo model)")
+    parser.add_argument("--model", help="model directory, hub id or FILE.gguf (default: the embedded demo model)")
+    parser.add_argument("--gguf-file", help="with --model DIR: the GGUF file in it to load")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    _add_quantize_flag(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=port, help="0 picks a free port")
     parser.add_argument("--max-sessions", type=int, default=256, help="concurrent sessions before RESOURCE_EXHAUSTED")
@@ -77,6 +80,14 @@ def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: i
         parser.add_argument("--ngram-min", type=int, default=1, help="n-gram drafter: shortest n-gram to match")
     _add_server_tls_flags(parser)
     _add_telemetry_flags(parser)
+
+
+def _add_quantize_flag(parser: argparse.ArgumentParser, flag: str = "--quantize", whom: str = "the model") -> None:
+    parser.add_argument(
+        flag, default="auto", choices=list(quantize.MODES),
+        help=f"{whom}'s linear weights: int8 / int4 on CPU; auto = what measured fastest here "
+        "(int8 for a model too large for the CPU's caches, else none; none on CUDA)",
+    )
 
 
 def _add_server_tls_flags(parser: argparse.ArgumentParser) -> None:
@@ -193,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     bounds.add_parser(commands)
     distill.add_parser(commands)
     train_medusa.add_parser(commands)
+    model_zoo.add_parser(commands)
     return parser
 
 
@@ -491,6 +503,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queued_sessions=args.max_queued_sessions,
         engine=args.engine,
         compile=args.compile,
+        quantize=args.quantize,
+        gguf_file=args.gguf_file,
         threads=args.threads,
         drafter=getattr(args, "drafter", "model"),
         medusa=getattr(args, "medusa", None),
@@ -545,7 +559,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "distill": distill.run, "train-medusa": train_medusa.main}
+COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "distill": distill.run, "train-medusa": train_medusa.main, "models": model_zoo.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -36,6 +36,8 @@ def load_engine(
         device=config.device,
         dtype=config.dtype,
         name=config.model or default_name,
+        quantization=config.quantize,
+        gguf_file=config.gguf_file,
     )
     medusa = config.medusa or (default_medusa if not config.model else None)
     if medusa:

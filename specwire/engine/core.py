@@ -115,7 +115,7 @@ class Engine:
             role=self.role,
             tokenizer_source=self.lm.tokenizer_source,
             device=str(self.lm.device),
-            dtype=str(next(self.lm.model.parameters()).dtype).removeprefix("torch."),
+            dtype=str(self.lm.dtype).removeprefix("torch."),
             cache=usage,
             medusa_heads=self.lm.medusa.num_heads if self.lm.medusa is not None else 0,
             forward_costs=list(self._forward_costs),

@@ -7,11 +7,13 @@ import hashlib
 import inspect
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from specwire.engine import quantize
 from specwire.medusa import MedusaHeads
 
 
@@ -42,9 +44,21 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase | None) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
+def split_gguf(source: str, gguf_file: str | None = None) -> tuple[str, str | None]:
+    """(directory or hub id, GGUF file name or None): `--model FILE.gguf`, or a directory with
+    `--gguf-file NAME`."""
+    if gguf_file is None and source.endswith(".gguf"):
+        path = Path(source)
+        return str(path.parent), path.name
+    return source, gguf_file
+
+
 def load_tokenizer(source: str) -> PreTrainedTokenizerBase | None:
-    """The tokenizer next to a model, or None when the directory has none."""
+    """The tokenizer next to a model (or inside a GGUF file), or None when there is none."""
+    directory, gguf_file = split_gguf(source)
     try:
+        if gguf_file is not None:
+            return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError):
         return None
@@ -80,27 +94,48 @@ class CausalLM:
     max_context: int
     accepts_logits_to_keep: bool
     medusa: MedusaHeads | None = None  # heads on the final hidden state (`--medusa DIR`)
+    quantization: str = "none"  # the linear layers' weights (`specwire.engine.quantize`)
 
     def attach_medusa(self, directory: str) -> None:
         """Load Medusa heads saved beside this model; they run on the hidden states of its forward."""
         heads = MedusaHeads.load(directory)
-        hidden = int(self.model.get_output_embeddings().weight.shape[1])
+        hidden = int(self.model.get_output_embeddings().in_features)
         if (heads.config.hidden_size, heads.config.vocab_size) != (hidden, self.vocab_size):
             raise ValueError(
                 f"--medusa: heads for hidden {heads.config.hidden_size} / vocab {heads.config.vocab_size}, "
                 f"model has {hidden} / {self.vocab_size}"
             )
-        dtype = next(self.model.parameters()).dtype
-        self.medusa = heads.to(device=self.device, dtype=dtype)
+        self.medusa = heads.to(device=self.device, dtype=self.dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the embedding's: quantised layers keep theirs elsewhere)."""
+        return cast(torch.dtype, self.model.get_input_embeddings().weight.dtype)
 
     @classmethod
-    def load(cls, source: str, device: str = "auto", dtype: str = "auto", name: str | None = None) -> CausalLM:
-        """Load from a local directory or a hub id."""
+    def load(
+        cls,
+        source: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        name: str | None = None,
+        quantization: str = "none",
+        gguf_file: str | None = None,
+    ) -> CausalLM:
+        """Load from a local directory, a hub id or a GGUF file (dequantised by transformers),
+        then quantise its linear layers (`specwire.engine.quantize`)."""
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+        quantize.resolve(quantization, torch_device)  # a bad mode fails before the load
+        directory, gguf = split_gguf(source, gguf_file)
+        extra = {"gguf_file": gguf} if gguf is not None else {}
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, **extra)
         model = cast(Any, model).to(torch_device)
-        return cls.from_model(model, load_tokenizer(source), name or source, source)
+        tokenizer_source = str(Path(directory) / gguf) if gguf is not None else source
+        lm = cls.from_model(model, load_tokenizer(tokenizer_source), name or source, tokenizer_source)
+        lm.quantization = quantize.resolve(quantization, torch_device, model)
+        quantize.quantize(model, lm.quantization)
+        return lm
 
     @classmethod
     def from_model(
@@ -114,7 +149,7 @@ class CausalLM:
             name=name,
             tokenizer_source=tokenizer_source,
             device=device,
-            vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+            vocab_size=int(model.get_output_embeddings().out_features),
             eos_token_ids=eos_token_ids(
                 getattr(model.generation_config, "eos_token_id", None),
                 getattr(model.config, "eos_token_id", None),

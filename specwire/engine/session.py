@@ -182,7 +182,7 @@ class DynamicKV:
         if self.cache is None:
             self.cache = DynamicCache()
         allowed = torch.cat([torch.ones(len(parents), start, dtype=torch.bool), tree_attention(parents)], dim=1)
-        device, dtype = self.lm.device, next(self.lm.model.parameters()).dtype
+        device, dtype = self.lm.device, self.lm.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
         position_ids = start + torch.tensor(tree_depths(parents), dtype=torch.long)  # [new]
         out = self.lm.model.base_model(
