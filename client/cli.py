@@ -152,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="run all three services until Ctrl-C / SIGTERM")
     _add_stack_flags(up)
+    up.add_argument(
+        "--http-port", type=int, default=0,
+        help="also serve the OpenAI-compatible HTTP API on this port (0 = off; pip install 'specwire[http]')",
+    )
+    up.add_argument("--chat-template", metavar="FILE", help="--http-port: a Jinja chat template instead of the tokenizer's own")
 
     generate = commands.add_parser("generate", help="generate text through an orchestrator")
     generate.add_argument("--address", default="127.0.0.1:50051")
@@ -228,11 +233,6 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
         help="mutual TLS between the services: a private CA and certificates made in DIR (reused if there)",
     )
     parser.add_argument("--auth-token-file", help="the orchestrator accepts only these bearer tokens (one per line)")
-    parser.add_argument(
-        "--http-port", type=int, default=0,
-        help="also serve the OpenAI-compatible HTTP API on this port (0 = off; pip install 'specwire[http]')",
-    )
-    parser.add_argument("--chat-template", metavar="FILE", help="--http-port: a Jinja chat template instead of the tokenizer's own")
 
 
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
@@ -391,8 +391,8 @@ def _stack_config(args: argparse.Namespace) -> Any:
         target_replicas=args.target_replicas,
         tls_dir=str(Path(args.tls).resolve()) if args.tls else None,
         auth_token_file=str(Path(args.auth_token_file).resolve()) if args.auth_token_file else None,
-        http_port=args.http_port,
-        chat_template=str(Path(args.chat_template).resolve()) if args.chat_template else None,
+        http_port=getattr(args, "http_port", 0),  # `up` only
+        chat_template=str(Path(args.chat_template).resolve()) if getattr(args, "chat_template", None) else None,
     )
 
 

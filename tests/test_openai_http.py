@@ -32,7 +32,7 @@ TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+MESSAGES: Any = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
 
 
 @dataclass
@@ -127,7 +127,7 @@ def test_completion_equals_the_grpc_generation(front: Front) -> None:
 def test_chat_stream_equals_the_grpc_stream_for_the_same_seed(front: Front, tokenizer: PreTrainedTokenizerFast) -> None:
     request: dict[str, Any] = {"max_tokens": 24, "seed": 11, "temperature": 0.9, "extra_body": {"ignore_eos": True}}
     chunks = list(front.openai().chat.completions.create(
-        model=front.model, messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **request  # type: ignore[arg-type]
+        model=front.model, messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **request
     ))
     with front.grpc() as client:
         deltas = list(client.stream(input_ids=_chat_ids(tokenizer, MESSAGES), strategy="sample", max_new_tokens=24,
@@ -141,7 +141,7 @@ def test_chat_stream_equals_the_grpc_stream_for_the_same_seed(front: Front, toke
     assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
     assert usage_chunk.choices == [] and usage_chunk.usage is not None
     assert usage_chunk.usage.completion_tokens == 24 and usage_chunk.usage.prompt_tokens == deltas[-1].stats.prompt_tokens
-    whole = front.openai().chat.completions.create(model=front.model, messages=MESSAGES, **request)  # type: ignore[arg-type]
+    whole = front.openai().chat.completions.create(model=front.model, messages=MESSAGES, **request)
     assert whole.choices[0].message.content == streamed and whole.choices[0].message.role == "assistant"
 
 
@@ -222,7 +222,7 @@ def test_errors_come_in_openai_shape_with_the_mapped_status(
 
 def test_the_openai_client_raises_its_own_errors(front: Front) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
-        front.openai().chat.completions.create(model=front.model, messages=MESSAGES, temperature=-2)  # type: ignore[arg-type]
+        front.openai().chat.completions.create(model=front.model, messages=MESSAGES, temperature=-2)
     assert bad.value.status_code == 400 and isinstance(bad.value.body, dict) and bad.value.body["param"] == "temperature"
     with pytest.raises(openai.AuthenticationError):
         front.openai(api_key="wrong").completions.create(model=front.model, prompt="x", max_tokens=2)
@@ -267,7 +267,7 @@ def _open_and_drop(client: openai.OpenAI, model: str, index: int) -> None:
     """A stream of 200 tokens read to its first chunk, then dropped: the connection closes."""
     extra = {"ignore_eos": True} | ({"strategy": "speculative", "num_speculative_tokens": 3} if index % 2 else {})
     if index % 4 < 2:
-        stream: Any = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=200, stream=True, extra_body=extra)  # type: ignore[arg-type]
+        stream: Any = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=200, stream=True, extra_body=extra)
     else:
         stream = client.completions.create(model=model, prompt="def", max_tokens=200, stream=True, extra_body=extra)
     next(iter(stream))
@@ -308,7 +308,7 @@ def test_serve_http_alone_takes_the_orchestrators_tokenizer_and_refuses_chat_wit
         ready = _read_until(process, "READY http ")[-1]
         alone = openai.OpenAI(base_url=f"http://{ready.split()[-1]}/v1", api_key="unchecked", max_retries=0, timeout=60)
         with pytest.raises(openai.BadRequestError) as refused:
-            alone.chat.completions.create(model=front.model, messages=MESSAGES, max_tokens=4)  # type: ignore[arg-type]
+            alone.chat.completions.create(model=front.model, messages=MESSAGES, max_tokens=4)
         assert isinstance(refused.value.body, dict) and refused.value.body["param"] == "messages"
         assert "--chat-template" in refused.value.body["message"]
         text = alone.completions.create(model=front.model, prompt="def", max_tokens=6, temperature=0).choices[0].text
