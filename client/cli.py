@@ -159,9 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="target-only decoding: tokens the target may decide per message (1 = one per round trip)",
     )
     _add_telemetry_flags(orch)
+    _add_http_front_flags(roles.add_parser("http", help="the OpenAI-compatible HTTP front (pip install 'specwire[http]')"))
 
     up = commands.add_parser("up", help="run all three services until Ctrl-C / SIGTERM")
     _add_stack_flags(up)
+    up.add_argument(
+        "--http-port", type=int, default=0,
+        help="also serve the OpenAI-compatible HTTP API on this port (0 = off; pip install 'specwire[http]')",
+    )
+    up.add_argument("--chat-template", metavar="FILE", help="--http-port: a Jinja chat template instead of the tokenizer's own")
 
     generate = commands.add_parser("generate", help="generate text through an orchestrator")
     generate.add_argument("--address", default="127.0.0.1:50051")
@@ -206,6 +212,18 @@ def build_parser() -> argparse.ArgumentParser:
     train_medusa.add_parser(commands)
     model_zoo.add_parser(commands)
     return parser
+
+
+def _add_http_front_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--orchestrator", default="127.0.0.1:50051", help="the orchestrator's host:port")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--tokenizer", help="tokenizer directory or hub id for chat templates (default: the orchestrator's)")
+    parser.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template used instead of the tokenizer's own")
+    parser.add_argument("--model-name", help="the model id listed and accepted (default: the orchestrator's target model)")
+    parser.add_argument("--auth-token-file", help="accept only requests with `Authorization: Bearer <a line of FILE>`")
+    parser.add_argument("--orchestrator-token-file", help="send the first line of FILE to the orchestrator as the bearer token")
+    _add_client_tls_flags(parser, "orchestrator-", "the orchestrator")
 
 
 def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
@@ -305,16 +323,16 @@ def format_states(counts: dict[str, int]) -> str:
     return ", ".join(f"{state} {counts[state]}" for state in STATE_COLOURS if state in counts)
 
 
-def read_token(path: str) -> str:
-    """The first non-blank, non-comment line of a token file."""
+def read_token(path: str, flag: str = "--token-file") -> str:
+    """The first non-blank, non-comment line of a token file (given by `flag`)."""
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as error:
-        raise SystemExit(f"--token-file: cannot read {path}: {error.strerror}") from None
+        raise SystemExit(f"{flag}: cannot read {path}: {error.strerror}") from None
     for line in lines:
         if line.strip() and not line.lstrip().startswith("#"):
             return line.strip()
-    raise SystemExit(f"--token-file: {path} holds no token")
+    raise SystemExit(f"{flag}: {path} holds no token")
 
 
 def client_security(args: argparse.Namespace) -> dict[str, Any]:
@@ -385,6 +403,8 @@ def _stack_config(args: argparse.Namespace) -> Any:
         target_replicas=args.target_replicas,
         tls_dir=str(Path(args.tls).resolve()) if args.tls else None,
         auth_token_file=str(Path(args.auth_token_file).resolve()) if args.auth_token_file else None,
+        http_port=getattr(args, "http_port", 0),  # `up` only
+        chat_template=str(Path(args.chat_template).resolve()) if getattr(args, "chat_template", None) else None,
     )
 
 
@@ -397,6 +417,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: object) -> None:
         stopping["signal"] = True
 
+    if args.http_port:  # refused before anything starts
+        require("uvicorn", "http", "specwire up --http-port")
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     stack.start()
@@ -406,6 +428,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"target        {', '.join(f'{c.host}:{port}' for port in c.target_ports)}")
     if c.tls_dir:
         print(f"mutual TLS    between the services; CA and certificates in {c.tls_dir}")
+    if c.http_port:
+        print(f"openai http   http://{c.host}:{c.http_port}/v1")
     if c.auth_token_file:
         print(f"auth          bearer tokens from {c.auth_token_file} (specwire generate --token-file FILE)")
     if c.proxied:
@@ -415,7 +439,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"traces        {Path(args.trace_dir).resolve()}/{{orchestrator,draft,target}}.jsonl")
     if args.metrics_port:
         print(f"metrics       http://{c.host}:{args.metrics_port}/metrics (draft +1, target +2)")
-    print("Ctrl-C stops all three; a child that exits is restarted.", flush=True)
+    print(f"Ctrl-C stops all {'four' if c.http_port else 'three'}; a child that exits is restarted.", flush=True)
     try:
         while not stopping["signal"]:
             stack.supervise()
@@ -467,6 +491,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specwire.config import ModelServiceConfig, OrchestratorConfig
     from specwire.security import client_tls, server_tls
 
+    if args.role == "http":
+        return serve_http(args)
     tls = server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
 
     if args.role == "orchestrator":
@@ -522,6 +548,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from specwire.target_service.server import main as serve_target
 
         serve_target(config)
+    return 0
+
+
+def serve_http(args: argparse.Namespace) -> int:
+    from specwire.config import HttpFrontConfig
+    from specwire.security import client_tls
+
+    for module in ("starlette", "uvicorn", "jinja2"):
+        require(module, "http", "specwire serve http")
+    from specwire.openai_http.server import main as serve_front
+
+    serve_front(
+        HttpFrontConfig(
+            orchestrator=args.orchestrator,
+            host=args.host,
+            port=args.port,
+            tokenizer=args.tokenizer,
+            chat_template=args.chat_template,
+            model_name=args.model_name,
+            auth_token_file=args.auth_token_file,
+            orchestrator_token=(
+                read_token(args.orchestrator_token_file, "--orchestrator-token-file") if args.orchestrator_token_file else None
+            ),
+            orchestrator_tls=client_tls(args.orchestrator_tls_ca, args.orchestrator_tls_cert, args.orchestrator_tls_key),
+        )
+    )
     return 0
 
 

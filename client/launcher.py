@@ -1,4 +1,5 @@
-"""Run the three services as child processes (`specwire up`, `specwire demo`, benchmarks).
+"""Run the three services as child processes (`specwire up`, `specwire demo`, benchmarks), and
+the OpenAI-compatible HTTP front as a fourth when asked for.
 
 Each child prints `READY <role> <host>:<port>` once it reports SERVING; the launcher waits for
 all of them (every target replica too), and stops them all (SIGTERM, then SIGKILL after a grace
@@ -50,6 +51,9 @@ class StackConfig:
     tls_dir: str | None = None
     # Bearer tokens the public API accepts (one per line); None: open.
     auth_token_file: str | None = None
+    # The OpenAI-compatible HTTP front (`specwire serve http`) on this port; 0: none.
+    http_port: int = 0
+    chat_template: str | None = None  # its `--chat-template FILE`
 
     @property
     def draft_port(self) -> int:
@@ -135,6 +139,17 @@ def _tls_args(c: StackConfig) -> tuple[list[str], list[str], list[str]]:
     return server("target"), server("draft"), orchestrator
 
 
+def _http_args(c: StackConfig) -> list[str]:
+    """`serve http` flags: in front of this stack's orchestrator, checking the same bearer tokens
+    and presenting the file's first one to the orchestrator."""
+    args = ["--orchestrator", c.address, "--host", c.host, "--port", str(c.http_port)]
+    if c.chat_template:
+        args += ["--chat-template", c.chat_template]
+    if c.auth_token_file:
+        args += ["--auth-token-file", c.auth_token_file, "--orchestrator-token-file", c.auth_token_file]
+    return args
+
+
 def _serve_command(role: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "specwire", "serve", role, *args]
 
@@ -211,6 +226,9 @@ class Stack:
             orchestrator_args += ["--tokenizer", c.target_model]
         self._spawn("orchestrator", _serve_command("orchestrator", *orchestrator_args), log_dir)
         self._wait(["orchestrator"], timeout)
+        if c.http_port:
+            self._spawn("http", _serve_command("http", *_http_args(c)), log_dir)
+            self._wait(["http"], timeout)
 
     def _spawn(self, role: str, command: list[str], log_dir: Path | None, ready_label: str | None = None) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
