@@ -48,6 +48,7 @@ def load_engine(
         max_queued_sessions=config.max_queued_sessions,
         batching=config.engine == "batched",
         compile=config.compile,
+        compile_in_background=True,
     )
     engine = Engine(lm, role=config.role, limits=limits)
     engine.warmup()

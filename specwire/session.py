@@ -171,6 +171,8 @@ class ModelInfo:
     # and ms a token of an 8-token greedy round. Empty / 0 when not measured.
     forward_costs: list[tuple[int, float]] = field(default_factory=list)
     decode_ms_per_token: float = 0.0
+    quantization: str = "none"  # the linear weights: none, int8, int4
+    compiled: bool = False  # forwards run compiled code now
 
 
 class BackendSession(Protocol):

@@ -325,6 +325,8 @@ def info_to_pb(info: ModelInfo) -> model_pb2.ModelInfo:
         cache=cache_to_pb(info.cache) if info.cache is not None else None,
         forward_costs=[model_pb2.ForwardCost(positions=n, ms=ms) for n, ms in info.forward_costs],
         decode_ms_per_token=info.decode_ms_per_token,
+        quantization=info.quantization,
+        compiled=info.compiled,
     )
 
 
@@ -356,6 +358,8 @@ def info_from_pb(message: model_pb2.ModelInfo) -> ModelInfo:
         cache=cache_from_pb(message.cache) if message.HasField("cache") else None,
         forward_costs=[(cost.positions, cost.ms) for cost in message.forward_costs],
         decode_ms_per_token=message.decode_ms_per_token,
+        quantization=message.quantization or "none",
+        compiled=message.compiled,
     )
 
 

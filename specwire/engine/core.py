@@ -45,6 +45,8 @@ class EngineLimits:
     # torch.compile of the batched forward: "on", "off", or "auto" = where it was measured to
     # pay (COMPILE_PAYS_ON). Default: $SPECWIRE_COMPILE, else "auto".
     compile: str = field(default_factory=compile_default)
+    # Compile on a thread of its own while serving eagerly (services: SERVING in seconds).
+    compile_in_background: bool = False
 
 
 def _available_memory(device: torch.device) -> int:
@@ -94,7 +96,7 @@ class Engine:
             if self.limits.compile not in ("auto", "on", "off"):
                 raise ValueError(f"--compile must be auto, on or off; got {self.limits.compile!r}")
             if self.limits.compile == "on" or (self.limits.compile == "auto" and lm.device.type in COMPILE_PAYS_ON):
-                self.scheduler.compile()
+                self.scheduler.compile(self.limits.compile_in_background, on_ready=self._remeasure)
 
     @property
     def batches(self) -> bool:
@@ -120,6 +122,8 @@ class Engine:
             medusa_heads=self.lm.medusa.num_heads if self.lm.medusa is not None else 0,
             forward_costs=list(self._forward_costs),
             decode_ms_per_token=self._decode_ms_per_token,
+            quantization=self.lm.quantization,
+            compiled=self.scheduler is not None and self.scheduler.compiled,
         )
 
     @property
@@ -148,6 +152,11 @@ class Engine:
         session.step(StepRequest(append_ids=[1], propose=2, propose_greedy=True))
         session.close()
         self._forward_costs, self._decode_ms_per_token = self.measure_costs()
+
+    def _remeasure(self) -> None:
+        """Compiled forwards cost less than the eager ones `warmup` timed: `Info` reports these."""
+        if self._forward_costs:
+            self._forward_costs, self._decode_ms_per_token = self.measure_costs()
 
     def measure_costs(
         self, repeats: int = 7, positions: Sequence[int] = COST_POSITIONS, decode_tokens: int = DECODE_TOKENS

@@ -2,8 +2,8 @@
 
 `--quantize` swaps every `nn.Linear` of the model (the LM head included, also when it is tied to
 the embedding, which stays as it is) for one of:
-- `int8`: int8 weights, one scale per output channel; activations quantised per call (fbgemm's
-  dynamic quantised linear, torch.ao; x86 with AVX2). y = s_x·s_w·(q_x·q_wᵀ) + b.
+- `int8`: int8 weights, one scale per output channel; activations quantised per row at each
+  call (fbgemm's dynamic quantised linear, torch.ao; x86 with AVX2). y = s_x·s_w·(q_x·q_wᵀ) + b.
 - `int4`: 4-bit weights in groups of 32 along the input, each group with its own scale and
   zero point, w = (q − 8)·s + z; activations stay float (`torch._weight_int4pack_mm_for_cpu`).
 `auto` picks what measured fastest for the device (docs/engine.md, "Quantised weights"): int8 on
@@ -50,20 +50,33 @@ def resolve(mode: str, device: torch.device, model: nn.Module | None = None) -> 
 
 
 class Int8Linear(nn.Module):
-    """fbgemm's dynamic int8 linear over per-channel int8 weights."""
+    """fbgemm's dynamic int8 linear over per-channel int8 weights, with activations quantised
+    per row, so that a row's output never depends on the other rows of its batch.
+
+    fbgemm quantises a call's whole input with one scale, from its min and max. Each row is
+    scaled to max |x| = 1 here and two columns, +1 and −1 (against zero weights), are appended,
+    so every call's min and max are exactly −1 and +1: one fixed scale, each row quantised alone.
+    y = a·fbgemm([x/a, 1, −1]) + b with a = max |x| per row.
+    """
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         weight = linear.weight.detach().float()  # [out, in]
         self.in_features, self.out_features = int(weight.shape[1]), int(weight.shape[0])
+        weight = torch.cat([weight, weight.new_zeros(self.out_features, 2)], dim=1)  # the ±1 columns
         scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # symmetric, per output channel
         qweight = torch.quantize_per_channel(weight, scales, torch.zeros_like(scales, dtype=torch.long), 0, torch.qint8)
-        bias = linear.bias.detach().float() if linear.bias is not None else None
-        self._packed = torch.ops.quantized.linear_prepack(qweight, bias)
+        self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float()
+        amax = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)  # [rows, 1]
+        ends = torch.tensor([1.0, -1.0], device=flat.device).expand(flat.shape[0], 2)
         # reduce_range: 7-bit activations, so AVX2's 16-bit pair sums (vpmaddubsw) cannot saturate.
-        out = torch.ops.quantized.linear_dynamic(x.reshape(-1, self.in_features).float(), self._packed, True)
+        out = torch.ops.quantized.linear_dynamic(torch.cat([flat / amax, ends], dim=1), self._packed, True) * amax
+        if self.bias is not None:
+            out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
