@@ -12,6 +12,8 @@ in a freshly shuffled order, so drifting machine load spreads over all of them):
                                    schedule's state is reset before every call so calls are comparable;
       `hf_assisted_constant`       "constant" γ tokens, confidence threshold off (Leviathan et al.);
       `hf_prompt_lookup`           `prompt_lookup_num_tokens` = γ (n-gram matching, size ≤ 2);
+      `llamacpp`                   llama.cpp greedy on the GGUF the target was prepared from, in-process
+                                   (`specwire.bench.llamacpp`; where llama-cpp-python is installed);
   (c) `specwire_greedy`            target-only greedy through the orchestrator over gRPC;
   (d) `specwire_speculative`       speculative with the draft model over gRPC, the defaults: auto γ
                                    (with target-only rounds when speculation is predicted slower)
@@ -54,8 +56,9 @@ loopback (`--rtt-ms R`: through the delay proxy, R ms round trip to each service
 measured by the client around each `Generate` call.
 
 Derived figures (null where they do not apply):
-  ratio_vs_hf_target / ratio_vs_hf_assisted: the median over repeats of this row's tokens/s over
-    row (a)'s / the best (b) row's (best median tokens/s) in the same repeat (paired ratios);
+  ratio_vs_hf_target / ratio_vs_hf_assisted / ratio_vs_llamacpp: the median over repeats of this
+    row's tokens/s over row (a)'s / the best (b) row's (best median tokens/s) / the `llamacpp`
+    row's in the same repeat (paired ratios);
   acceptance_rate: accepted / drafted tokens; alpha: accepted / (accepted + rejections), the
     per-token acceptance probability of the i.i.d. model (`specwire.orchestrator.speedup.alpha_estimate`);
   cost_ratio_c: (draft compute per drafted token) / (target compute per target forward) — the
@@ -86,8 +89,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from specwire.bench import llamacpp
 from specwire.client.launcher import Stack, StackConfig, free_base_port
 from specwire.orchestrator.speedup import alpha_estimate, predicted_speedup
+
+from specwire.session import ModelInfo
 
 SCHEMA = "specwire.bench/1"
 
@@ -114,6 +120,7 @@ ROWS = [
     RowSpec("hf_assisted_heuristic", "hf_assisted", "transformers assisted, heuristic schedule from γ"),
     RowSpec("hf_assisted_constant", "hf_assisted", "transformers assisted, constant γ"),
     RowSpec("hf_prompt_lookup", "hf_assisted", "transformers prompt lookup, γ tokens"),
+    RowSpec("llamacpp", "llamacpp", "llama.cpp greedy on the target's GGUF, the target's threads"),
     RowSpec("specwire_greedy", "specwire", "specwire greedy, target only, gRPC"),
     RowSpec("specwire_speculative", "specwire", "specwire speculative, draft model, auto γ, pipelined, gRPC"),
     RowSpec("specwire_speculative_sequential", "specwire", "specwire speculative, draft model, fixed γ, sequential"),
@@ -157,6 +164,9 @@ class BenchConfig:
     target_model: str
     draft_model: str
     prompts: list[str]
+    quantize: str = "auto"  # the model services' --quantize
+    target_threads: int = 0  # the target service's torch threads, and llama.cpp's; 0: all cores
+    gguf: str | None = None  # the `llamacpp` row's model (default: the target's own GGUF)
     max_new_tokens: int = 64
     repeats: int = 3
     gamma: int = 4
@@ -551,6 +561,7 @@ def summarize(results: dict[str, RowResult]) -> list[dict[str, Any]]:
             "tokens_per_s_per_repeat": tps,
             "ratio_vs_hf_target": _paired_ratio(result, hf_target),
             "ratio_vs_hf_assisted": _paired_ratio(result, best_assisted),
+            "ratio_vs_llamacpp": _paired_ratio(result, results.get("llamacpp")),
             "best_hf_assisted_row": best_assisted.spec.name if best_assisted else None,
             "matches_hf_target": _matches(result, hf_target),
             "new_tokens_per_repeat": sum(len(s.token_ids) for s in samples) // max(1, len(result.samples)),
@@ -658,7 +669,9 @@ def machine_info() -> dict[str, Any]:
 def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple[dict[str, Stack], dict[str, str]]:
     """The model-drafter stack and the n-gram stack, started in parallel; errors by stack name."""
     stack_configs: dict[str, StackConfig] = {}
-    common = StackConfig(target_model=config.target_model, device=config.device, dtype=config.dtype)
+    threads = config.target_threads or os.cpu_count() or 1
+    common = StackConfig(target_model=config.target_model, device=config.device, dtype=config.dtype,
+                         quantize=config.quantize, target_threads=threads)
     common = replace(common, rtt_ms=config.rtt_ms)
     if needed & (set(SPECWIRE_PARAMS) - {"specwire_speculative_ngram"}):
         port = config.port or free_base_port()
@@ -687,6 +700,24 @@ def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple
     return stacks, errors
 
 
+def wait_compiled(stack: Stack, timeout_s: float = 900.0) -> ModelInfo:
+    """The target's Info once its forwards run compiled (a service compiles in the background
+    after it is SERVING), or as it is at the timeout; rows measured before would time eager code."""
+    import grpc
+    from specwire.v1 import model_pb2, model_pb2_grpc
+
+    from specwire.wire import info_from_pb
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(f"{stack.config.host}:{stack.config.target_port}") as channel:
+        stub = model_pb2_grpc.ModelServiceStub(channel)
+        while True:
+            info = info_from_pb(stub.Info(model_pb2.InfoRequest(), timeout=10))
+            if info.compiled or os.environ.get("SPECWIRE_COMPILE") == "off" or time.monotonic() > deadline:
+                return info
+            time.sleep(1.0)
+
+
 def run_bench(config: BenchConfig) -> dict[str, Any]:
     """Run every row of `config.rows` and return the report (metadata + rows)."""
     from specwire.client.sdk import Client, GenerationError
@@ -713,10 +744,23 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             stacks, stack_errors = starting.result()
         for name, stack in stacks.items():
             clients[name] = Client(stack.config.address, timeout=600)
+        target_info = wait_compiled(stacks["model"]) if "model" in stacks else None
+
+        llama = None
+        if "llamacpp" in config.rows:
+            gguf = config.gguf or llamacpp.find_gguf(config.target_model)
+            if gguf is None or not llamacpp.available():
+                results["llamacpp"].error = "needs llama-cpp-python and the target's GGUF (--gguf)"
+            else:
+                llama = llamacpp.LlamaCppRunner(Path(gguf), config.target_threads or os.cpu_count() or 1)
 
         def call(row: str, ids: list[int], max_new_tokens: int) -> Sample:
             if row.startswith("hf_"):
                 return hf.generate(row, ids, max_new_tokens, config.gamma)
+            if row == "llamacpp":
+                assert llama is not None
+                tokens, seconds = llama.generate(ids, max_new_tokens)
+                return Sample(token_ids=tokens, seconds=seconds, target_forwards=len(tokens))
             stack = "ngram" if row == "specwire_speculative_ngram" else "model"
             if stack in stack_errors:
                 raise RuntimeError(f"the {stack} stack did not start: {stack_errors[stack]}")
@@ -783,6 +827,12 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             "rtt_ms": config.rtt_ms,
             "device": str(hf.device),
             "dtype": str(next(hf.target.parameters()).dtype).removeprefix("torch."),
+            # The served target as its Info states it: ms of one cached forward by new positions.
+            "target_forward_costs": {str(n): ms for n, ms in target_info.forward_costs} if target_info else None,
+            "target_quantization": target_info.quantization if target_info else None,
+            "target_compiled": target_info.compiled if target_info else None,
+            "target_threads": config.target_threads or os.cpu_count(),
+            "llamacpp_gguf": str(llama.gguf) if llama is not None else None,
             "seed": config.seed,
             "row_order_per_repeat": order_log,
             "timing": "wall time around each call, summed over the prompts of a repeat; medians and min/max over repeats",
@@ -923,6 +973,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--draft-model", help="draft model directory (default: the demo draft)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantize", default="auto", help="the model services' --quantize (none, int8, int4, auto)")
+    parser.add_argument("--target-threads", type=int, default=0, help="the target's torch threads and llama.cpp's (0: all cores)")
+    parser.add_argument("--gguf", help="the llamacpp row's GGUF (default: DIR/gguf/*.gguf of the target)")
     parser.add_argument("--rows", help=f"comma-separated subset of: {', '.join(ROW_NAMES)}")
     parser.add_argument("--seed", type=int, default=0, help="seed of the row order shuffle")
     parser.add_argument("--port", type=int, default=0, help="base port of the stacks (0 = free ports)")
@@ -944,7 +997,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise SystemExit("--max-new-tokens, --repeats and --gamma must be ≥ 1")
     if args.rtt_ms < 0:
         raise SystemExit(f"--rtt-ms must be ≥ 0, got {args.rtt_ms}")
-    rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else tuple(ROW_NAMES)
+    runnable = llamacpp.available() and (args.gguf or llamacpp.find_gguf(target))  # llamacpp only where it can run
+    rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else tuple(
+        name for name in ROW_NAMES if name != "llamacpp" or runnable)
     try:
         concurrency = tuple(int(n) for n in args.concurrency.split(",")) if args.concurrency else ()
     except ValueError:
@@ -968,6 +1023,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         medusa=args.medusa or _default_medusa(target),
         medusa_choices=Path(args.medusa_choices).read_text() if args.medusa_choices else None,
         rtt_ms=args.rtt_ms,
+        quantize=args.quantize,
+        target_threads=args.target_threads,
+        gguf=args.gguf,
     )
 
 

@@ -234,6 +234,9 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50051, help="orchestrator port; draft on +1, target on +2")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    _add_quantize_flag(parser, whom="each model service")
+    parser.add_argument("--target-threads", type=int, default=0, help="the target's torch threads (0: cores split between the services)")
+    parser.add_argument("--draft-threads", type=int, default=0, help="the draft's torch threads (0: cores split between the services)")
     parser.add_argument("--trace-dir", help="each service writes its spans to DIR/<service>.jsonl")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus: orchestrator on P, draft P+1, target P+2")
     parser.add_argument("--rtt-ms", type=float, default=0.0, help="emulated round trip to each model service (delay proxy)")
@@ -393,6 +396,9 @@ def _stack_config(args: argparse.Namespace) -> Any:
         drafter=args.drafter,
         device=args.device,
         dtype=args.dtype,
+        quantize=args.quantize,
+        target_threads=args.target_threads,
+        draft_threads=args.draft_threads,
         extra_target_args=_stack_telemetry_args(args, "target", 2),
         medusa=args.medusa,
         extra_draft_args=_stack_telemetry_args(args, "draft", 1),

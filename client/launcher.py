@@ -40,6 +40,11 @@ class StackConfig:
     extra_draft_args: tuple[str, ...] = ()
     extra_orchestrator_args: tuple[str, ...] = ()
     medusa: str | None = None  # the target's Medusa heads directory (`--medusa`)
+    quantize: str = "auto"  # the model services' --quantize
+    # Torch threads of the target service (each replica) and of the draft; 0: the machine's
+    # cores split evenly between the model services.
+    target_threads: int = 0
+    draft_threads: int = 0
     # Emulated link between the orchestrator and each model service (`specwire.delay_proxy`):
     # any of these > 0 puts a proxy child in front of each service, one-way delay = rtt / 2.
     rtt_ms: float = 0.0
@@ -187,14 +192,15 @@ class Stack:
         # The model services share this machine's cores: each gets its part, so no service's
         # threads spin on a core another one needs (on 2 cores that cut a compiled greedy round from 5.8–6.2 to 5.0 ms).
         threads = max(1, (os.cpu_count() or 1) // (c.target_replicas + 1))
-        model_args = ["--device", c.device, "--dtype", c.dtype, "--host", c.host, "--threads", str(threads)]
+        model_args = ["--device", c.device, "--dtype", c.dtype, "--host", c.host, "--quantize", c.quantize]
         target_tls, draft_tls, orchestrator_tls = _tls_args(c)
-        target_args = [*model_args, *target_tls, *c.extra_target_args]
+        target_args = [*model_args, "--threads", str(c.target_threads or threads), *target_tls, *c.extra_target_args]
         if c.target_model:
             target_args += ["--model", c.target_model]
         if c.medusa:
             target_args += ["--medusa", c.medusa]
-        draft_args = [*model_args, *draft_tls, "--port", str(c.draft_port), "--drafter", c.drafter, *c.extra_draft_args]
+        draft_args = [*model_args, "--threads", str(c.draft_threads or threads), *draft_tls, "--port", str(c.draft_port),
+                      "--drafter", c.drafter, *c.extra_draft_args]
         # The n-gram drafter needs only a tokenizer: the target's, unless told otherwise.
         draft_source = c.draft_model or (c.target_model if c.drafter == "ngram" else None)
         if draft_source:
