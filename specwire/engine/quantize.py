@@ -13,7 +13,9 @@ CPU, none (bfloat16) on CUDA. Outputs then differ from the float model's, by an 
 
 from __future__ import annotations
 
+import itertools
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -49,6 +51,25 @@ def resolve(mode: str, device: torch.device, model: nn.Module | None = None) -> 
     return mode
 
 
+# fbgemm's packed weights are TorchScript objects, which torch.compile cannot take as module
+# state without a graph break at every layer: layers hold an index here, and a custom op,
+# opaque to the compiler, looks the weights up.
+_PACKED: dict[int, Any] = {}
+_HANDLES = itertools.count()
+
+
+@torch.library.custom_op("specwire::int8_linear", mutates_args=())
+def int8_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """fbgemm's dynamic int8 linear of x [rows, in] with the packed weights `_PACKED[handle]`."""
+    # reduce_range: 7-bit activations, so AVX2's 16-bit pair sums (vpmaddubsw) cannot saturate.
+    return torch.ops.quantized.linear_dynamic(x, _PACKED[handle], True)
+
+
+@int8_linear.register_fake
+def _int8_linear_shape(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
 class Int8Linear(nn.Module):
     """fbgemm's dynamic int8 linear over per-channel int8 weights, with activations quantised
     per row, so that a row's output never depends on the other rows of its batch.
@@ -65,19 +86,24 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = int(weight.shape[1]), int(weight.shape[0])
         weight = torch.cat([weight, weight.new_zeros(self.out_features, 2)], dim=1)  # the ±1 columns
         scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # symmetric, per output channel
-        qweight = torch.quantize_per_channel(weight, scales, torch.zeros_like(scales, dtype=torch.long), 0, torch.qint8)
-        self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        with warnings.catch_warnings():  # quantised tensor types are deprecated; fbgemm's packing still takes them
+            warnings.simplefilter("ignore")
+            qweight = torch.quantize_per_channel(weight, scales, torch.zeros_like(scales, dtype=torch.long), 0, torch.qint8)
+        self.handle = next(_HANDLES)
+        _PACKED[self.handle] = torch.ops.quantized.linear_prepack(qweight, None)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
         amax = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)  # [rows, 1]
         ends = torch.tensor([1.0, -1.0], device=flat.device).expand(flat.shape[0], 2)
-        # reduce_range: 7-bit activations, so AVX2's 16-bit pair sums (vpmaddubsw) cannot saturate.
-        out = torch.ops.quantized.linear_dynamic(torch.cat([flat / amax, ends], dim=1), self._packed, True) * amax
+        out = int8_linear(torch.cat([flat / amax, ends], dim=1), self.handle, self.out_features) * amax
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def __del__(self) -> None:
+        _PACKED.pop(self.handle, None)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
