@@ -15,7 +15,6 @@ from typing import Protocol
 
 import torch
 
-from specwire.engine.cache import CacheUsage
 from specwire.entropy_metrics import PositionMetrics
 from specwire.processing import ProcessingConfig
 
@@ -151,6 +150,19 @@ class StepResult:
     timing: ServerTiming = field(default_factory=ServerTiming)
     medusa_ids: torch.Tensor | None = None  # [rows, heads, medusa_top_k]
     tree_ids: torch.Tensor | None = None  # [n] the nodes the service built (`tree_topk`)
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    """What `Info` and the metrics report about the cache."""
+
+    rows: int
+    rows_in_use: int
+    max_len: int
+    tokens_in_use: int
+    bytes_in_use: int
+    bytes_total: int
+    waiting: int
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ from typing import cast
 
 import torch
 
-from specwire.engine.cache import CacheUsage
 from specwire.entropy_metrics import AttentionStats, PositionMetrics
 from specwire.errors import InvalidArgument
 from specwire.processing import ProcessingConfig
 from specwire.session import (
+    CacheUsage,
     Extras,
     ModelInfo,
     OpenRequest,
