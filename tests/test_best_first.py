@@ -137,6 +137,11 @@ def decoder(target_dir: Path) -> Decoder:
     return Decoder(LocalModel(load_engine(target_dir, "target"), "target"), None, tokenizer, max_new_tokens_limit=256)
 
 
+@pytest.fixture(scope="module")
+def reference(target_dir: Path) -> Any:
+    return hf_model(target_dir)
+
+
 def prompts(vocab_size: int, count: int = 16) -> list[list[int]]:
     generator = torch.Generator().manual_seed(7)
     lengths = torch.randint(1, 9, (count,), generator=generator).tolist()
@@ -158,9 +163,8 @@ def generate(decoder: Decoder, prompt_ids: list[int], **kwargs: Any) -> Result:
 )
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_best_first_equals_beam_and_transformers(
-    decoder: Decoder, target_dir: Path, beam: dict[str, Any], ignore_eos: bool
+    decoder: Decoder, reference: Any, beam: dict[str, Any], ignore_eos: bool
 ) -> None:
-    reference = hf_model(target_dir)
     for prompt_ids in prompts(decoder.limits.vocab_size):
         ours = generate(decoder, prompt_ids, strategy="best_first_beam", ignore_eos=ignore_eos, **beam)
         theirs = generate(decoder, prompt_ids, strategy="beam", length_penalty=0.0, ignore_eos=ignore_eos, **beam)
