@@ -38,8 +38,19 @@ in a freshly shuffled order, so drifting machine load spreads over all of them):
       `specwire_medusa_typical`    the same, sampled at T = 0.7 (seeded) with typical acceptance (LOSSY).
       The sampled Medusa rows do not decode greedily: they are not compared with (a)'s tokens, and
       their speed-up is over the greedy row (c), which costs what target-only sampling costs.
+  (g) `specwire_beam`              beam search, `--num-beams` k, length_penalty 0, over gRPC;
+      `specwire_best_first_beam`   best-first beam search at the same k (the same result; fewer
+                                   target rows). These two rows honour end-of-sequence, as beam search
+                                   is used: best-first saves where a finished hypothesis is certain
+                                   early, and with eos ignored every hypothesis ends at max_new_tokens.
+                                   They are compared with each other, not with (a): `matches_beam`
+                                   (tokens equal to `specwire_beam`'s, per (repeat, prompt)),
+                                   `expansions_per_generation` (target rows scored),
+                                   `expansions_ratio_vs_beam` (all rows scored ÷ beam's) and
+                                   `wall_ratio_vs_beam` (median over repeats of the prompts' summed
+                                   wall time ÷ beam's in the same repeat).
 
-Every row decodes greedily and ignores end-of-sequence (transformers: `eos_token_id=None`;
+Every row but (g) decodes greedily and ignores end-of-sequence (transformers: `eos_token_id=None`;
 specwire: `ignore_eos`), so every row generates exactly `max_new_tokens` tokens per prompt, and
 `matches_hf_target` records the share of (repeat, prompt) pairs whose tokens equal row (a)'s.
 With `--concurrency 1,2,4,8`, the report also has a top-level `concurrency` list: for each
@@ -132,12 +143,17 @@ ROWS = [
     RowSpec("specwire_medusa", "specwire", "specwire Medusa, target's heads, greedy, gRPC"),
     RowSpec("specwire_medusa_lossless", "specwire_medusa_sampled", "specwire Medusa, T=0.7, lossless tree acceptance, gRPC"),
     RowSpec("specwire_medusa_typical", "specwire_medusa_sampled", "specwire Medusa, T=0.7, typical acceptance (lossy), gRPC"),
+    RowSpec("specwire_beam", "specwire_beam", "specwire beam search, k beams, length_penalty 0, eos honoured, gRPC"),
+    RowSpec("specwire_best_first_beam", "specwire_beam", "specwire best-first beam search, same k, eos honoured, gRPC"),
 ]
 # Row groups that sample: their tokens are not compared with greedy ones.
 SAMPLED_GROUPS = ("specwire_sampled", "specwire_medusa_sampled")
+# Beam search rows: compared with `specwire_beam`, not with greedy transformers.
+BEAM_GROUP = "specwire_beam"
 # Entropix's base warpers (the reference's defaults), for a like-for-like sampling row.
 BASE_WARPERS = {"temperature": 0.666, "top_p": 0.9, "top_k": 27}
-# How each specwire row calls `Generate` beyond strategy, prompt and length; "gamma" = `--gamma`.
+# How each specwire row calls `Generate` beyond strategy, prompt and length; "gamma" = `--gamma`,
+# "num_beams" = `--num-beams`.
 SPECWIRE_PARAMS: dict[str, dict[str, Any]] = {
     "specwire_greedy": {"strategy": "greedy"},
     "specwire_speculative": {"strategy": "speculative"},
@@ -154,6 +170,9 @@ SPECWIRE_PARAMS: dict[str, dict[str, Any]] = {
     "specwire_medusa": {"strategy": "medusa"},
     "specwire_medusa_lossless": {"strategy": "medusa", "temperature": 0.7, "medusa_acceptance": "lossless"},
     "specwire_medusa_typical": {"strategy": "medusa", "temperature": 0.7, "medusa_acceptance": "typical"},
+    # Beam search as it is used, ending at eos; best-first's condition for beam's result is length_penalty 0.
+    "specwire_beam": {"strategy": "beam", "num_beams": "num_beams", "length_penalty": 0.0, "ignore_eos": False},
+    "specwire_best_first_beam": {"strategy": "best_first_beam", "num_beams": "num_beams", "ignore_eos": False},
 }
 ROW_NAMES = [row.name for row in ROWS]
 MEDUSA_ROWS = [name for name, params in SPECWIRE_PARAMS.items() if params["strategy"] == "medusa"]
@@ -170,6 +189,7 @@ class BenchConfig:
     max_new_tokens: int = 64
     repeats: int = 3
     gamma: int = 4
+    num_beams: int = 4  # k of the beam rows
     device: str = "auto"
     dtype: str = "auto"
     rows: tuple[str, ...] = tuple(ROW_NAMES)
@@ -197,6 +217,7 @@ class Sample:
     pipelined_rounds: int = 0
     target_forwards: int = 0
     draft_forwards: int = 0
+    expansions: int = 0  # beam search: target rows scored
     target_compute_ms: float = 0.0
     draft_compute_ms: float = 0.0
     # specwire only (the orchestrator's GenerationStats):
@@ -384,14 +405,15 @@ class HfRunner:
 # -- specwire over gRPC -------------------------------------------------------------------------
 
 
-def row_params(row: str, gamma: int) -> dict[str, Any]:
+def row_params(row: str, gamma: int, num_beams: int = 4) -> dict[str, Any]:
     """The `Generate` keywords of a specwire row, beyond prompt and length."""
-    return {name: gamma if value == "gamma" else value for name, value in SPECWIRE_PARAMS[row].items()}
+    flags = {"gamma": gamma, "num_beams": num_beams}
+    return {name: flags.get(value, value) if isinstance(value, str) else value for name, value in SPECWIRE_PARAMS[row].items()}
 
 
 def specwire_sample(client: Any, params: dict[str, Any], prompt_ids: list[int], max_new_tokens: int) -> Sample:
     """One `Generate` through an orchestrator; `client` is a `client.sdk.Client`, `params` its keywords."""
-    params = params | {"max_new_tokens": max_new_tokens, "ignore_eos": True}
+    params = {"ignore_eos": True} | params | {"max_new_tokens": max_new_tokens}
     if "temperature" in params and "seed" not in params:  # seeded sampled rows: the same draws every repeat
         params["seed"] = len(prompt_ids)
     started = time.perf_counter()
@@ -409,6 +431,7 @@ def specwire_sample(client: Any, params: dict[str, Any], prompt_ids: list[int], 
         pipelined_rounds=s.pipelined_rounds,
         target_forwards=s.target_forwards,
         draft_forwards=s.draft_forwards,
+        expansions=s.expansions,
         target_compute_ms=s.target_compute_ms,
         draft_compute_ms=s.draft_compute_ms,
         server_wall_ms=s.wall_ms,
@@ -525,7 +548,7 @@ def _paired_ratio(row: RowResult, base: RowResult | None) -> float | None:
 
 
 def _matches(row: RowResult, reference: RowResult | None) -> float | None:
-    if reference is None or reference.error or row.error or row.spec.group in SAMPLED_GROUPS:
+    if reference is None or reference.error or row.error or row.spec.group in (*SAMPLED_GROUPS, BEAM_GROUP):
         return None
     pairs = [
         (ours.token_ids, theirs.token_ids)
@@ -543,6 +566,7 @@ def summarize(results: dict[str, RowResult]) -> list[dict[str, Any]]:
     """The report's rows: every figure named in the module docstring, null where not applicable."""
     hf_target = results.get("hf_target")
     specwire_greedy = results.get("specwire_greedy")
+    specwire_beam = results.get("specwire_beam")
     assisted = [r for r in results.values() if r.spec.group == "hf_assisted" and not r.error and r.samples]
     best_assisted = max(assisted, key=lambda r: _median(r.tokens_per_s()) or 0.0, default=None)
     rows = []
@@ -559,9 +583,10 @@ def summarize(results: dict[str, RowResult]) -> list[dict[str, Any]]:
             "tokens_per_s_min": min(tps) if tps else None,
             "tokens_per_s_max": max(tps) if tps else None,
             "tokens_per_s_per_repeat": tps,
-            "ratio_vs_hf_target": _paired_ratio(result, hf_target),
-            "ratio_vs_hf_assisted": _paired_ratio(result, best_assisted),
-            "ratio_vs_llamacpp": _paired_ratio(result, results.get("llamacpp")),
+            # Beam rows end at eos: their tokens per second are not comparable with greedy rows'.
+            "ratio_vs_hf_target": None if spec.group == BEAM_GROUP else _paired_ratio(result, hf_target),
+            "ratio_vs_hf_assisted": None if spec.group == BEAM_GROUP else _paired_ratio(result, best_assisted),
+            "ratio_vs_llamacpp": None if spec.group == BEAM_GROUP else _paired_ratio(result, results.get("llamacpp")),
             "best_hf_assisted_row": best_assisted.spec.name if best_assisted else None,
             "matches_hf_target": _matches(result, hf_target),
             "new_tokens_per_repeat": sum(len(s.token_ids) for s in samples) // max(1, len(result.samples)),
@@ -575,6 +600,7 @@ def summarize(results: dict[str, RowResult]) -> list[dict[str, Any]]:
         )
         row |= _speculation_figures(result, samples, baseline)
         row |= _round_breakdown(samples)
+        row |= _beam_figures(result, samples, specwire_beam)
         rows.append(row)
     return rows
 
@@ -616,6 +642,34 @@ def _speculation_figures(result: RowResult, samples: list[Sample], baseline: Row
         "efficiency": measured / predicted if measured is not None and predicted else None,
         "speculation_off_rounds_per_generation": sum(s.off_rounds for s in samples) / len(samples),
         "pipelined_round_share": _ratio(sum(s.pipelined_rounds for s in samples), rounds),
+    }
+
+
+def _beam_figures(result: RowResult, samples: list[Sample], beam: RowResult | None) -> dict[str, Any]:
+    """The beam rows' figures (module docstring, (g)); the ratios and matches are over `beam`."""
+    figures: dict[str, Any] = dict.fromkeys(
+        ["expansions_per_generation", "target_forwards_per_generation", "expansions_ratio_vs_beam",
+         "wall_ratio_vs_beam", "matches_beam"]
+    )
+    if result.spec.group != BEAM_GROUP or not samples:
+        return figures
+    figures["expansions_per_generation"] = statistics.fmean(s.expansions for s in samples)
+    figures["target_forwards_per_generation"] = statistics.fmean(s.target_forwards for s in samples)
+    if beam is None or beam.error or beam is result or not beam.samples:
+        return figures
+    pairs = [
+        (ours, theirs)
+        for run, beam_run in zip(result.samples, beam.samples, strict=False)
+        for ours, theirs in zip(run, beam_run, strict=True)
+    ]
+    walls = [
+        sum(s.seconds for s in run) / sum(s.seconds for s in beam_run)
+        for run, beam_run in zip(result.samples, beam.samples, strict=False)
+    ]
+    return figures | {
+        "expansions_ratio_vs_beam": _ratio(sum(a.expansions for a, _ in pairs), sum(b.expansions for _, b in pairs)),
+        "wall_ratio_vs_beam": _median(walls),
+        "matches_beam": sum(a.token_ids == b.token_ids for a, b in pairs) / len(pairs) if pairs else None,
     }
 
 
@@ -764,7 +818,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             stack = "ngram" if row == "specwire_speculative_ngram" else "model"
             if stack in stack_errors:
                 raise RuntimeError(f"the {stack} stack did not start: {stack_errors[stack]}")
-            params = row_params(row, config.gamma)
+            params = row_params(row, config.gamma, config.num_beams)
             if row in MEDUSA_ROWS and config.medusa_choices:
                 params["medusa_choices"] = config.medusa_choices
             return specwire_sample(clients[stack], params, ids, max_new_tokens)
@@ -824,6 +878,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             "max_new_tokens": config.max_new_tokens,
             "repeats": config.repeats,
             "gamma": config.gamma,
+            "num_beams": config.num_beams,
             "rtt_ms": config.rtt_ms,
             "device": str(hf.device),
             "dtype": str(next(hf.target.parameters()).dtype).removeprefix("torch."),
@@ -925,6 +980,24 @@ def markdown_table(report: dict[str, Any]) -> str:
                 _fmt(entry["matches_solo"]),
             ]
             lines.append("| " + " | ".join(cells) + " |")
+    beam_rows = [row for row in report["rows"] if row["group"] == BEAM_GROUP and not row["error"]]
+    if beam_rows:
+        lines += [
+            "",
+            f"beam rows, k = {meta.get('num_beams')}, eos honoured:",
+            "| row | target rows scored / generation | target forwards / generation | rows × beam | wall × beam | = beam |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in beam_rows:
+            cells = [
+                row["name"],
+                _fmt(row["expansions_per_generation"], 1),
+                _fmt(row["target_forwards_per_generation"], 1),
+                _fmt(row["expansions_ratio_vs_beam"], 3),
+                _fmt(row["wall_ratio_vs_beam"], 3),
+                _fmt(row["matches_beam"]),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
     best = next((r["best_hf_assisted_row"] for r in report["rows"] if r["best_hf_assisted_row"]), None)
     lines.append("")
     lines.append(f"best HF assisted row: {best or '–'}; took {meta['duration_s']:.0f} s")
@@ -969,6 +1042,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gamma", type=int, default=4, help="γ of the speculative and constant-schedule rows")
+    parser.add_argument("--num-beams", type=int, default=4, help="k of the beam rows (specwire_beam, specwire_best_first_beam)")
     parser.add_argument("--target-model", help="target model directory (default: the demo target)")
     parser.add_argument("--draft-model", help="draft model directory (default: the demo draft)")
     parser.add_argument("--device", default="auto")
@@ -993,8 +1067,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     target, draft = default_models(args.target_model, args.draft_model)
-    if args.max_new_tokens < 1 or args.repeats < 1 or args.gamma < 1:
-        raise SystemExit("--max-new-tokens, --repeats and --gamma must be ≥ 1")
+    if args.max_new_tokens < 1 or args.repeats < 1 or args.gamma < 1 or args.num_beams < 1:
+        raise SystemExit("--max-new-tokens, --repeats, --gamma and --num-beams must be ≥ 1")
     if args.rtt_ms < 0:
         raise SystemExit(f"--rtt-ms must be ≥ 0, got {args.rtt_ms}")
     runnable = llamacpp.available() and (args.gguf or llamacpp.find_gguf(target))  # llamacpp only where it can run
@@ -1013,6 +1087,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         gamma=args.gamma,
+        num_beams=args.num_beams,
         device=args.device,
         dtype=args.dtype,
         rows=rows,

@@ -316,7 +316,8 @@ def _print_result(result: GenerateResult, as_json: bool) -> None:
     s = result.stats
     print(
         f"\n[{result.finish_reason}] {s.new_tokens} tokens in {s.wall_ms:.0f} ms "
-        f"({1000 * s.new_tokens / max(s.wall_ms, 1e-9):.1f} tok/s), {s.rounds} rounds",
+        f"({1000 * s.new_tokens / max(s.wall_ms, 1e-9):.1f} tok/s), {s.rounds} rounds"
+        + (f", {s.expansions} target rows scored in {s.target_forwards} forwards" if s.expansions else ""),
         file=sys.stderr,
     )
     if s.entropix_states:

@@ -33,6 +33,10 @@ REQUIRED_FIELDS = [
     "efficiency",
     "bytes_per_round",
     "overhead_ms_per_round",
+    "expansions_per_generation",
+    "expansions_ratio_vs_beam",
+    "wall_ratio_vs_beam",
+    "matches_beam",
 ]
 
 
@@ -114,7 +118,8 @@ def test_bench_reports_every_row_and_field(bench_report: dict[str, Any]) -> None
         for name in REQUIRED_FIELDS:
             assert name in row, (row["name"], name)
         assert row["tokens_per_s"] > 0
-        assert row["new_tokens_per_repeat"] == 8
+        beam = row["group"] == bench.BEAM_GROUP  # beam rows end at eos
+        assert row["new_tokens_per_repeat"] <= 8 if beam else row["new_tokens_per_repeat"] == 8
     meta = bench_report["metadata"]
     assert (meta["prompts"], meta["max_new_tokens"], meta["repeats"], meta["gamma"]) == (1, 8, 1, 4)
     assert meta["machine"]["cpu_count"] and meta["parameters"]["target"] > meta["parameters"]["draft"] > 0
@@ -132,8 +137,8 @@ def test_bench_figures_are_consistent(bench_report: dict[str, Any]) -> None:
     for row in rows.values():
         if row["name"] == "specwire_speculative_sampled":
             continue
-        sampled = row["group"] in ("specwire_sampled", "specwire_medusa_sampled")
-        assert row["matches_hf_target"] == (None if sampled else 1.0), row["name"]
+        compared = row["group"] not in ("specwire_sampled", "specwire_medusa_sampled", bench.BEAM_GROUP)
+        assert row["matches_hf_target"] == (1.0 if compared else None), row["name"]
     assert rows["specwire_speculative_sampled"]["bytes_per_round"] > 0
     cost = bench_report["metadata"]["entropix_metrics_cost"]
     assert cost["step_ms"] > 0 and cost["step_with_metrics_ms"] > 0
@@ -155,6 +160,15 @@ def test_bench_figures_are_consistent(bench_report: dict[str, Any]) -> None:
     assert spec["efficiency"] == pytest.approx(spec["measured_speedup"] / spec["predicted_speedup"])
     assert spec["bytes_per_round"] > 0 and spec["overhead_ms_per_round"] >= 0
     assert rows["specwire_greedy"]["bytes_per_round"] > 0
+    # Beam rows: best-first's result is beam's; beam scores num_beams rows in every forward.
+    beam, best_first = rows["specwire_beam"], rows["specwire_best_first_beam"]
+    assert beam["expansions_per_generation"] == 4 * beam["target_forwards_per_generation"]
+    assert beam["matches_beam"] is None and best_first["matches_beam"] == 1.0
+    assert best_first["expansions_ratio_vs_beam"] == pytest.approx(
+        best_first["expansions_per_generation"] / beam["expansions_per_generation"]
+    )
+    assert best_first["wall_ratio_vs_beam"] > 0 and best_first["ratio_vs_hf_target"] is None
+    assert all(row["expansions_per_generation"] is None for row in rows.values() if row["group"] != bench.BEAM_GROUP)
     assert rows["specwire_speculative_sequential"]["pipelined_round_share"] == 0.0
     # A fixed γ never falls back; only a last round with nothing left to draft is target-only.
     assert rows["specwire_speculative_sequential"]["speculation_off_rounds_per_generation"] <= 1.0
