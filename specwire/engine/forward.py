@@ -1,19 +1,20 @@
-"""A lean batched forward over Hugging Face weights, reading and writing the slot cache.
+"""The engine's batched forward over a transformers model, reading and writing the slot cache.
 
 One call runs any mix of rows: each row brings its own new tokens, the cache slots they are
-written to, their positions (rotary or learned) and which cache slots each new token attends to.
-That one shape covers decoding (1 token), verification (γ+1), short prefills, and tree
-verification (positions = depth, `key_mask` = ancestors; Medusa). The call returns the final,
-normed hidden states of the new tokens (for Medusa heads), the logits of the positions asked
-for, and, when asked, entropix's metrics: the token entropy of those logits and the statistics
-of the last layer's attention scores of chosen rows and tokens, computed for those alone (the
-other rows of the batch pay nothing for them). Everything after the last layer is part of the
-call so that compiled code fuses the head's and the metrics' small ops with the rest.
+written to, their positions and which cache slots each new token attends to. That one shape
+covers decoding (1 token), verification (γ+1), short prefills, and tree verification
+(positions = depth, `key_mask` = ancestors; Medusa). The call returns the final, normed hidden
+states of the new tokens (for Medusa heads), the logits of the positions asked for, and, when
+asked, entropix's metrics: the token entropy of those logits and the statistics of the last
+layer's attention scores of chosen rows and tokens, computed for those alone. Everything after
+the last layer is part of the call so that compiled code fuses it with the rest.
 
-The layers are the model's own modules (projections, norms, MLPs, rotary embedding), so the
-arithmetic per token is the model's; what goes is transformers' generic per-call machinery —
-mask building, cache classes, output dataclasses — which dominates a small model's decode step.
-Supported: Llama, Qwen2 (without sliding windows) and GPT-2; other models use transformers.
+`HFForward` runs any architecture whose attention goes through transformers' attention-function
+registry (`AttentionInterface`; Llama, Qwen2/3, Mistral, Gemma-3, GPT-2, …): the model's own
+modules embed, project, norm and rotate, and `slot_attention`, registered there, writes each
+layer's keys and values into the slot cache and attends with that layer's window. The mask
+builders of transformers pass the engine's 4D mask through untouched. `LlamaLike` and `GPT2Like`
+are hand-written forwards of the same contract for Llama/Qwen2 and GPT-2.
 """
 
 from __future__ import annotations
