@@ -20,7 +20,7 @@ from specwire.draft_service import distill
 from specwire.target_service import train_medusa
 from specwire.v1 import orchestrator_pb2
 
-from specwire import __version__, model_zoo
+from specwire import __version__, model_zoo, teacher_cache
 from specwire.config import OrchestratorConfig, compile_default
 from specwire.engine import quantize
 from specwire.extras import require
@@ -210,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     bounds.add_parser(commands)
     distill.add_parser(commands)
     train_medusa.add_parser(commands)
+    teacher_cache.add_parser(commands)
     model_zoo.add_parser(commands)
     quality.add_parser(commands)
     return parser
@@ -619,7 +620,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "distill": distill.run, "train-medusa": train_medusa.main, "models": model_zoo.run, "quality": quality.run}
+COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "distill": distill.run, "train-medusa": train_medusa.main, "teacher-cache": teacher_cache.run, "models": model_zoo.run, "quality": quality.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,18 +19,17 @@ import argparse
 import json
 import math
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 import torch
+from specwire.draft_service import scratch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from specwire import teacher_cache
 from specwire.demo import train_pair
-
-HELD_OUT_FRACTION = 0.05
 
 
 def distillation_loss(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
@@ -51,19 +50,6 @@ def acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch
 def greedy_agreement(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
     """Whether argmax q = argmax p per position: a greedy round's acceptance. [..., V] → [...] bool."""
     return target_logits.argmax(dim=-1) == draft_logits.argmax(dim=-1)
-
-
-def token_streams(tokenizer: PreTrainedTokenizerFast, data: Sequence[Path]) -> tuple[np.ndarray, np.ndarray]:
-    """(train, held-out) token streams: the demo's stdlib split, or the given files' last 5%."""
-    if not data:
-        corpus = train_pair.load_corpus()
-        return (
-            train_pair.encode_stream(tokenizer, [text for _, text in corpus.train]),
-            train_pair.encode_stream(tokenizer, [text for _, text in corpus.val]),
-        )
-    stream = train_pair.encode_stream(tokenizer, [path.read_text(encoding="utf-8", errors="replace") for path in data])
-    cut = int(len(stream) * (1.0 - HELD_OUT_FRACTION))
-    return stream[:cut], stream[cut:]
 
 
 @torch.no_grad()
@@ -101,7 +87,7 @@ def distill(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--draft: its tokenizer differs from the target's; distillation needs shared token ids")
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).train()
-    train_stream, held_stream = token_streams(tokenizer, [Path(p) for p in args.data])
+    train_stream, held_stream = teacher_cache.corpus_streams(tokenizer, [Path(p) for p in args.data])
     train_windows = train_pair.windows(train_stream, args.seq_len)
     held_out = train_pair.windows(held_stream, args.seq_len)
     if len(held_out) > args.eval_windows:  # a fixed, evenly spaced subset
@@ -141,7 +127,7 @@ def distill(args: argparse.Namespace) -> dict[str, Any]:
     report = {
         "target": str(args.target),
         "draft": str(args.draft),
-        "data": list(args.data) or ["stdlib (specwire.demo.train_pair split)"],
+        "data": [str(p) for p in args.data] or ["stdlib (specwire.demo.train_pair split)"],
         "steps": args.steps,
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
@@ -163,22 +149,35 @@ def add_parser(commands: Any) -> None:
         "distill", help="train a draft to match a target's next-token distributions (KL), report α before/after"
     )
     parser.add_argument("--target", required=True, help="target model directory or hub id")
-    parser.add_argument("--draft", required=True, help="draft model to start from (shares the target's tokenizer)")
-    parser.add_argument("--out", required=True, help="where the distilled draft is written (float16 + tokenizer)")
-    parser.add_argument("--data", nargs="*", default=[], help="text files (default: the demo's stdlib corpus)")
+    parser.add_argument("--draft", help="draft model to start from (shares the target's tokenizer)")
+    parser.add_argument("--out", required=True, help="where the distilled draft is written")
     parser.add_argument("--steps", type=int, default=600, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     parser.add_argument("--warmup", type=int, default=50, help="warm-up steps")
-    parser.add_argument("--eval-windows", type=int, default=64, help="held-out windows α is measured on")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (the run is bit-exact per count)")
+    parser.add_argument("--eval-windows", type=int, default=64, help="held-out windows α is measured on (--draft)")
+    scratch_flags = parser.add_argument_group("a new draft over a trimmed vocabulary, from a teacher cache")
+    scratch_flags.add_argument("--from-scratch", action="store_true", help="build a new draft instead of --draft")
+    scratch_flags.add_argument("--layers", type=int, default=4)
+    scratch_flags.add_argument("--hidden", type=int, default=384, help="width (heads of 64)")
+    scratch_flags.add_argument("--vocab-top", type=int, default=16384, help="K: the target's most frequent ids kept")
+    scratch_flags.add_argument("--teacher-cache", help="the teacher cache directory (default: OUT.teacher; built if missing)")
+    teacher_cache.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("steps", "batch_size", "seq_len", "eval_windows", "threads"):
+    for name in ("steps", "batch_size", "seq_len", "eval_windows", "threads", "layers", "hidden", "vocab_top"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
+    if args.from_scratch == (args.draft is not None):
+        raise SystemExit("give exactly one of --draft (distil an existing draft) and --from-scratch")
+    if args.from_scratch:
+        report = scratch.train(args)
+        for label in ("before", "after"):
+            figures = report[label]
+            print(f"{label}: α {figures['alpha']:.4f} (≤ {figures['alpha_upper']:.4f}), "
+                  f"greedy agreement {figures['greedy_agreement']:.4f}, KL {figures['kl']:.4f}")
+        print(f"wrote {args.out} (report: {scratch.REPORT})")
+        return 0
     distill(args)
     return 0

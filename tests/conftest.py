@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from specwire.engine import CausalLM, Engine
+from specwire.engine import CausalLM, Engine, trimmed_vocab
 from tests.harness import LoopThread, Stack, start_model_server, start_orchestrator
 from tests.tiny import build_tokenizer, save_gpt2, save_llama
 
@@ -82,4 +82,7 @@ def gpt2_stack(loop: LoopThread, gpt2_target_dir: Path, llama_draft_dir: Path) -
 
 
 def hf_model(path: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    """The model as specwire loads it (a trimmed-vocabulary draft speaks target ids)."""
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    trimmed_vocab.expand(model, path)
+    return model

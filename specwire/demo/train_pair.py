@@ -214,14 +214,16 @@ def train_tokenizer(texts: Sequence[str]) -> PreTrainedTokenizerFast:
 
 
 def encode_stream(tokenizer: PreTrainedTokenizerFast, texts: Sequence[str]) -> np.ndarray:
-    """Encode files into one flat ``uint16`` stream, each file preceded by EOS."""
-    eos = tokenizer.eos_token_id
-    assert eos is not None and len(tokenizer) <= np.iinfo(np.uint16).max
+    """Encode files into one flat stream, each file preceded by the tokenizer's BOS (its EOS
+    where it has none); ``uint16`` where the vocabulary fits, else ``uint32``."""
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    assert start is not None
+    dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max else np.uint32
     encodings = tokenizer.backend_tokenizer.encode_batch(list(texts), add_special_tokens=False)
     parts: list[np.ndarray] = []
     for enc in encodings:
-        parts.append(np.asarray([eos], dtype=np.uint16))
-        parts.append(np.asarray(enc.ids, dtype=np.uint16))
+        parts.append(np.asarray([start], dtype=dtype))
+        parts.append(np.asarray(enc.ids, dtype=dtype))
     return np.concatenate(parts)
 
 

@@ -13,7 +13,7 @@ from typing import Any, cast
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from specwire.engine import quantize
+from specwire.engine import quantize, trimmed_vocab
 from specwire.medusa import MedusaHeads
 
 
@@ -130,6 +130,7 @@ class CausalLM:
         directory, gguf = split_gguf(source, gguf_file)
         extra = {"gguf_file": gguf} if gguf is not None else {}
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, **extra)
+        trimmed_vocab.expand(model, directory)  # a draft over the target's K most frequent ids
         model = cast(Any, model).to(torch_device)
         tokenizer_source = str(Path(directory) / gguf) if gguf is not None else source
         lm = cls.from_model(model, load_tokenizer(tokenizer_source), name or source, tokenizer_source)

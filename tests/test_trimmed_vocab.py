@@ -1,0 +1,186 @@
+"""A draft over a trimmed vocabulary (`specwire.engine.trimmed_vocab`): it reads and scores target
+ids, and speculative sampling with it keeps the target's distribution although the target puts
+mass on ids the draft can never propose (Leviathan et al. 2023, Theorem 1).
+
+- Mapping: the expanded draft's logits at its K target ids are its own, −inf elsewhere; an id
+  outside the K reads as the fallback; services report the target's vocabulary.
+- Exactness, pure: 200k γ = 2 rounds through `accept_drafts` fed the trimmed draft's q; the first
+  token and the first two jointly follow the target (chi-square). A draft whose ids are not mapped
+  back, and a residual confined to the draft's ids, fail the same test.
+- Exactness, end to end: 1,500 seeded generations over gRPC; greedy equals target-only greedy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from specwire.client import Client
+from specwire.draft_service.scratch import DraftShape, new_draft
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from specwire.acceptance import accept_drafts
+from specwire.engine import CausalLM
+from specwire.engine.trimmed_vocab import VOCAB_FILE, TrimmedVocab, expand, most_frequent
+from specwire.processing import ProcessingConfig
+from tests.conftest import make_stack
+from tests.goodness_of_fit import chi_square_pvalue
+from tests.harness import LoopThread, Stack
+from tests.test_losslessness import ALPHA, SAMPLES, TwoStepDistributions, _first_tokens, speculate_two_tokens
+
+pytest_plugins = ["tests.spec_fixtures"]
+
+PROMPT = "abcab"
+# Eight of the 20 target ids: <eos>, <unk> and six letters the small target rarely picks first.
+KEPT_TEXT = "ghijkl" * 5 + "mnop"
+
+
+def save_trimmed_draft(path: Path, target_dir: Path, tokenizer: Any, seed: int, sharpen: float = 3.0) -> Path:
+    """A fresh trimmed draft as `specwire distill --from-scratch` builds one (untrained)."""
+    target_config = AutoConfig.from_pretrained(str(target_dir))
+    stream = np.asarray(tokenizer(KEPT_TEXT).input_ids)
+    ids = most_frequent(stream, 8, len(tokenizer), always=[0, 1])
+    vocab = TrimmedVocab(len(tokenizer), tuple(ids), fallback=ids.index(1))
+    model = new_draft(DraftShape(layers=1, hidden=16, vocab_top=8), vocab, target_config, 128, seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpen)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    vocab.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trimmed_draft_dir(models_dir: Path, small_target_dir: Path, char_tokenizer: Any) -> Path:
+    return save_trimmed_draft(models_dir / "small-trimmed-draft", small_target_dir, char_tokenizer, seed=13)
+
+
+@pytest.fixture(scope="module")
+def trimmed_stack(loop: LoopThread, small_target_dir: Path, trimmed_draft_dir: Path) -> Iterator[Stack]:
+    stack = make_stack(loop, small_target_dir, trimmed_draft_dir, max_new_tokens_limit=64)
+    yield stack
+    stack.stop()
+
+
+def test_most_frequent_ranks_ids_by_count_and_keeps_the_forced_ones() -> None:
+    stream = np.array([5, 5, 5, 3, 3, 7, 9, 9, 9, 9])
+    assert most_frequent(stream, 3, 12) == [9, 5, 3]
+    assert most_frequent(stream, 3, 12, always=[11]) == [9, 5, 11]  # the rarest kept one makes room
+    assert most_frequent(stream, 3, 12, always=[5]) == [9, 3, 5]
+
+
+def test_a_vocabulary_file_with_bad_ids_is_refused_naming_the_field(tmp_path: Path) -> None:
+    (tmp_path / VOCAB_FILE).write_text(json.dumps({"target_vocab_size": 10, "fallback": 0, "ids": [1, 1]}))
+    with pytest.raises(ValueError, match="ids must be distinct"):
+        TrimmedVocab.load(tmp_path)
+    (tmp_path / VOCAB_FILE).write_text(json.dumps({"target_vocab_size": 10, "fallback": 2, "ids": [1, 2]}))
+    with pytest.raises(ValueError, match="fallback"):
+        TrimmedVocab.load(tmp_path)
+
+
+def test_the_expanded_draft_scores_its_target_ids_and_reads_others_as_the_fallback(
+    trimmed_draft_dir: Path, char_tokenizer: Any
+) -> None:
+    vocab = TrimmedVocab.load(trimmed_draft_dir)
+    assert vocab is not None
+    raw: Any = AutoModelForCausalLM.from_pretrained(str(trimmed_draft_dir), dtype=torch.float32).eval()
+    lm = CausalLM.load(str(trimmed_draft_dir), device="cpu", dtype="float32")
+    assert lm.vocab_size == len(char_tokenizer) and lm.model.config.vocab_size == len(char_tokenizer)
+    kept = torch.tensor(vocab.ids)
+    table = {target: draft for draft, target in enumerate(vocab.ids)}
+    inside = [vocab.ids[2], vocab.ids[5], vocab.ids[3]]
+    with torch.no_grad():
+        full = lm.model(input_ids=torch.tensor([inside])).logits[0]  # [3, V]
+        own = raw(input_ids=torch.tensor([[table[i] for i in inside]])).logits[0]  # [3, K]
+        assert torch.equal(full[:, kept], own)
+        outside = torch.ones(full.shape[-1], dtype=torch.bool)
+        outside[kept] = False
+        assert bool(torch.isneginf(full[:, outside]).all())
+        stranger = next(i for i in range(len(char_tokenizer)) if i not in table)
+        as_fallback = lm.model(input_ids=torch.tensor([[stranger, inside[0]]])).logits
+        assert torch.equal(as_fallback, lm.model(input_ids=torch.tensor([[vocab.ids[vocab.fallback], inside[0]]])).logits)
+
+
+def test_a_model_without_a_vocabulary_file_is_left_as_it_is(small_target_dir: Path) -> None:
+    model: Any = AutoModelForCausalLM.from_pretrained(str(small_target_dir), dtype=torch.float32)
+    head = model.get_output_embeddings()
+    assert expand(model, small_target_dir) is None and model.get_output_embeddings() is head
+
+
+@pytest.fixture(scope="module")
+def distributions(small_target_dir: Path, trimmed_draft_dir: Path, char_tokenizer: Any) -> tuple[TwoStepDistributions, TwoStepDistributions]:
+    prompt_ids = char_tokenizer(PROMPT).input_ids
+    target = TwoStepDistributions(small_target_dir, prompt_ids, ProcessingConfig())
+    draft = TwoStepDistributions(trimmed_draft_dir, prompt_ids, ProcessingConfig())
+    return target, draft
+
+
+def _outside_mass(target: TwoStepDistributions, draft: TwoStepDistributions) -> float:
+    return float(target.first[draft.first == 0].sum())
+
+
+def test_speculative_sampling_with_a_trimmed_draft_follows_the_target(
+    distributions: tuple[TwoStepDistributions, TwoStepDistributions],
+) -> None:
+    target, draft = distributions
+    assert _outside_mass(target, draft) > 0.3, "the target must put mass where the draft cannot propose"
+    vocab = target.first.shape[0]
+    y1, y2 = speculate_two_tokens(target, draft, accept_drafts, SAMPLES, seed=0)
+    p_first = chi_square_pvalue(np.bincount(y1, minlength=vocab), target.first.numpy())
+    p_joint = chi_square_pvalue(np.bincount(y1 * vocab + y2, minlength=vocab * vocab), (target.first[:, None] * target.second).numpy())
+    print(f"trimmed draft: first token p={p_first:.4f}, first two tokens p={p_joint:.4f}")
+    assert p_first > ALPHA and p_joint > ALPHA
+
+
+def ids_not_mapped_back(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                        generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wrong on purpose: proposals judged under the neighbouring id's probabilities, as when a
+    draft's ids reach the target unmapped (draft id ≠ target id)."""
+    return accept_drafts(draft_tokens, draft_probs.roll(1, dims=-1), target_probs, generator)
+
+
+def residual_on_draft_ids(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                          generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wrong on purpose: corrections drawn only among the draft's ids (its vocabulary taken as
+    the target's), so ids outside the K never come out."""
+    support = (draft_probs.sum(dim=1, keepdim=True) > 0).float()  # [B, 1, V]
+    return accept_drafts(draft_tokens, draft_probs, target_probs * support + 1e-30 * support, generator)
+
+
+@pytest.mark.parametrize("rule", [ids_not_mapped_back, residual_on_draft_ids])
+def test_a_trimmed_draft_with_a_wrong_rule_fails_the_same_test(
+    distributions: tuple[TwoStepDistributions, TwoStepDistributions], rule: Any
+) -> None:
+    target, draft = distributions
+    y1, _ = speculate_two_tokens(target, draft, rule, SAMPLES, seed=0)
+    p_first = chi_square_pvalue(np.bincount(y1, minlength=target.first.shape[0]), target.first.numpy())
+    print(f"{rule.__name__}: first token p={p_first:.3g}")
+    assert p_first < ALPHA
+
+
+def test_speculative_generation_with_a_trimmed_draft_follows_the_target_over_grpc(
+    trimmed_stack: Stack, small_target_dir: Path, char_tokenizer: Any
+) -> None:
+    params = {"temperature": 1.0, "num_speculative_tokens": 2, "max_new_tokens": 4}
+    tokens, _ = asyncio.run(_first_tokens(trimmed_stack.address, PROMPT, 1500, 2, **params))
+    outputs = np.array(tokens)
+    target = TwoStepDistributions(small_target_dir, char_tokenizer(PROMPT).input_ids, ProcessingConfig())
+    vocab = target.first.shape[0]
+    p_first = chi_square_pvalue(np.bincount(outputs[:, 0], minlength=vocab), target.first.numpy())
+    p_second = chi_square_pvalue(np.bincount(outputs[:, 1], minlength=vocab), (target.first @ target.second).numpy())
+    print(f"trimmed draft over gRPC: first token p={p_first:.4f}, second token p={p_second:.4f}")
+    assert p_first > ALPHA and p_second > ALPHA
+
+
+def test_greedy_speculation_with_a_trimmed_draft_equals_target_greedy(trimmed_stack: Stack) -> None:
+    client = Client(trimmed_stack.address)
+    for prompt in (PROMPT, "ghij", "rrq"):
+        expected = client.generate(prompt, strategy="greedy", max_new_tokens=30, ignore_eos=True).token_ids
+        got = client.generate(prompt, strategy="speculative", num_speculative_tokens=3, max_new_tokens=30, ignore_eos=True)
+        assert got.token_ids == expected, prompt
