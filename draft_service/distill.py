@@ -161,6 +161,12 @@ def add_parser(commands: Any) -> None:
     scratch_flags.add_argument("--layers", type=int, default=4)
     scratch_flags.add_argument("--hidden", type=int, default=384, help="width (heads of 64)")
     scratch_flags.add_argument("--vocab-top", type=int, default=16384, help="K: the target's most frequent ids kept")
+    scratch_flags.add_argument("--embedding-init", choices=["target", "random"], default="target",
+                               help="the draft's embedding: the target's rows, projected (default), or random")
+    scratch_flags.add_argument("--text-windows", type=int, default=0,
+                               help="uncached training windows learnt from the text's own next tokens")
+    scratch_flags.add_argument("--text-weight", type=float, default=1.0, help="weight of their cross-entropy")
+    scratch_flags.add_argument("--bf16", action="store_true", help="bfloat16 autocast (faster on CPUs with AMX)")
     scratch_flags.add_argument("--teacher-cache", help="the teacher cache directory (default: OUT.teacher; built if missing)")
     teacher_cache.add_arguments(parser)
 

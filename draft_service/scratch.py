@@ -2,16 +2,11 @@
 teacher cache (`specwire.teacher_cache`).
 
 The draft is a fresh Llama of `--layers` × `--hidden` whose vocabulary is the target's `--vocab-top`
-ids most frequent in the training text (`specwire.engine.trimmed_vocab`); it reads and scores
-target ids once loaded. It learns from the cached teacher: at each position the target's top-k
-log-probabilities S, which the draft matches by minimising the KL divergence between p and q
-coarsened to S ∩ draft ids plus one bucket for the rest,
-
-    KL_S(p ‖ q) = Σ_{x ∈ S} p(x) log(p(x)/q(x)) + p(R) log(p(R)/q(R)),  R = everything else,
-
-a lower bound on KL(p ‖ q) (the log-sum inequality) that is exact when p and q agree inside R.
-Held-out figures come from the same cache: greedy agreement (argmax q = the teacher's top-1) is
-exact; α = Σ_x min(p, q) is bracketed by Σ_{x ∈ S} min(p, q) ≤ α ≤ that + min(p(R), q(R)).
+ids most frequent in the training text (`specwire.engine.trimmed_vocab`; FR-Spec, Zhao et al. 2025);
+it reads and scores target ids once loaded. It learns the cached teacher's top-k distributions
+through the coarsened KL of `specwire.sparse_distill` (DistillSpec, Zhou et al. 2023, with a fixed
+dataset), optionally plus the text's own next tokens on windows the teacher did not see (cheap:
+no teacher forward). Held-out α, greedy agreement and KL come from the cache's held-out windows.
 """
 
 from __future__ import annotations
@@ -28,6 +23,7 @@ import torch
 from tqdm import tqdm
 from transformers import (
     AutoConfig,
+    AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
     LlamaConfig,
@@ -36,8 +32,8 @@ from transformers import (
 )
 
 from specwire import teacher_cache
-from specwire.engine.model import eos_token_ids
-from specwire.engine.trimmed_vocab import TrimmedVocab, most_frequent
+from specwire.engine.trimmed_vocab import TrimmedVocab
+from specwire.sparse_distill import alpha_bounds, coarse_kl, draft_vocabulary, sparse_targets
 
 HEAD_DIM = 64
 REPORT = "distill_report.json"
@@ -59,17 +55,6 @@ class DraftShape:
         return 64 * round(self.hidden * 8 / 3 / 64)  # Llama's ratio, rounded to 64
 
 
-def draft_vocabulary(stream: np.ndarray, k: int, target: Any, tokenizer: Any) -> TrimmedVocab:
-    """The K most frequent target ids of `stream`, with the ids a draft must always be able to
-    read or propose (BOS, every end id, unknown); out-of-K ids read as unknown (or the rarest)."""
-    vocab_size = int(target.vocab_size)
-    ends = eos_token_ids(getattr(target, "eos_token_id", None), tokenizer.eos_token_id)
-    special = [i for i in (tokenizer.bos_token_id, *ends, tokenizer.unk_token_id) if i is not None and i < vocab_size]
-    ids = most_frequent(stream, min(k, vocab_size), vocab_size, special)
-    fallback = ids.index(tokenizer.unk_token_id) if tokenizer.unk_token_id in ids else len(ids) - 1
-    return TrimmedVocab(vocab_size, tuple(ids), fallback)
-
-
 def new_draft(shape: DraftShape, vocab: TrimmedVocab, target_config: Any, max_positions: int, seed: int) -> LlamaForCausalLM:
     """A freshly initialised Llama over the K draft ids, tied embedding and head."""
     torch.manual_seed(seed)
@@ -89,63 +74,17 @@ def new_draft(shape: DraftShape, vocab: TrimmedVocab, target_config: Any, max_po
     return LlamaForCausalLM(config)
 
 
-def draft_targets(topk_ids: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The teacher's top-k target ids [..., k] as draft ids (`vocab_table`), and which of them
-    the draft has ([..., k] bool); the others become draft id 0, masked."""
-    mapped = table[topk_ids.long()]  # [..., k]
-    return mapped.clamp_min(0), mapped >= 0
-
-
-def _coarse(teacher_logp: torch.Tensor, draft_idx: torch.Tensor, inside: torch.Tensor, draft_logp: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """p and q on S (0 off S) [..., k] and their remainders p(R), q(R) [...]."""
-    p = teacher_logp.float().exp() * inside  # [..., k]
-    logq = draft_logp.gather(-1, draft_idx)  # [..., k]
-    q = logq.exp() * inside
-    return p, logq, q, (1 - p.sum(-1)).clamp_min(0), (1 - q.sum(-1)).clamp_min(0)
-
-
-def coarse_kl(teacher_logp: torch.Tensor, draft_idx: torch.Tensor, inside: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
-    """KL_S(p ‖ q) per position (module docstring). teacher_logp, draft_idx, inside: [..., k];
-    draft_logits: [..., K] → [...]."""
-    draft_logp = draft_logits.float().log_softmax(dim=-1)  # [..., K]
-    p, logq, _, p_rest, q_rest = _coarse(teacher_logp, draft_idx, inside, draft_logp)
-    inner = torch.where(inside, p * (teacher_logp.float() - logq), 0.0).sum(-1)
-    tiny = torch.finfo(torch.float32).tiny
-    rest = p_rest * (p_rest.clamp_min(tiny).log() - q_rest.clamp_min(tiny).log())
-    return inner + rest
-
-
-def alpha_bounds(teacher_logp: torch.Tensor, draft_idx: torch.Tensor, inside: torch.Tensor, draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lower, upper) bounds on α = Σ_x min(p(x), q(x)) per position [...] (module docstring)."""
-    p, _, q, p_rest, q_rest = _coarse(teacher_logp, draft_idx, inside, draft_logits.float().log_softmax(dim=-1))
-    lower = torch.minimum(p, q).sum(-1)
-    return lower, lower + torch.minimum(p_rest, q_rest)
-
-
-def vocab_table(vocab: TrimmedVocab) -> torch.Tensor:
-    """[V] long: each target id's draft id, −1 outside the K (training masks those)."""
-    table = torch.full((vocab.target_vocab_size,), -1, dtype=torch.long)
-    table[torch.tensor(vocab.ids, dtype=torch.long)] = torch.arange(len(vocab.ids))
-    return table
-
-
-def draft_inputs(tokens: torch.Tensor, table: torch.Tensor, fallback: int) -> torch.Tensor:
-    """Target ids [..] → draft ids, out-of-K ids as `fallback` (as `TargetIdEmbedding` reads them)."""
-    mapped = table[tokens.long()]
-    return torch.where(mapped < 0, fallback, mapped)
-
-
 @torch.no_grad()
 def measure(model: Any, split: dict[str, torch.Tensor], vocab: TrimmedVocab, batch_size: int) -> dict[str, float]:
     """Held-out α (lower and upper bound), greedy agreement and KL_S, averaged over positions."""
     model.eval()
-    table, target_ids = vocab_table(vocab), torch.tensor(vocab.ids)
+    table, inputs, target_ids = vocab.draft_ids(missing=-1), vocab.draft_ids(), torch.tensor(vocab.ids)
     sums = np.zeros(4)
     count = 0
     for start in range(0, len(split["tokens"]), batch_size):
         tokens = split["tokens"][start : start + batch_size]
-        logits = model(input_ids=draft_inputs(tokens[:, :-1], table, vocab.fallback)).logits.float()  # [B, T, K]
-        idx, inside = draft_targets(split["topk_ids"][start : start + batch_size], table)
+        logits = model(input_ids=inputs[tokens[:, :-1].long()]).logits.float()  # [B, T, K]
+        idx, inside = sparse_targets(split["topk_ids"][start : start + batch_size], table)
         teacher = split["topk_logp"][start : start + batch_size]
         lower, upper = alpha_bounds(teacher, idx, inside, logits)
         top1 = split["topk_ids"][start : start + batch_size, :, 0].long()  # [B, T]: the teacher's argmax
@@ -165,10 +104,32 @@ def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.45 * (1.0 + float(np.cos(np.pi * progress))))
 
 
+def target_embedding_init(model: Any, target_embedding: torch.Tensor, vocab: TrimmedVocab) -> None:
+    """Start the draft's (tied) embedding from the target's rows for its K ids, projected onto
+    their top principal directions (as many as the draft is wide) and scaled to the draft's
+    initial spread: related tokens start close, as they are in the target."""
+    rows = target_embedding[torch.tensor(vocab.ids)].double()  # [K, E]
+    width = model.get_input_embeddings().weight.shape[1]
+    if width > rows.shape[1]:
+        raise SystemExit(f"--embedding-init target: the draft ({width}) is wider than the target's embedding ({rows.shape[1]})")
+    _, _, directions = torch.linalg.svd(rows, full_matrices=False)  # directions: [E, E]
+    projected = rows @ directions[:width].T  # [K, H]
+    scale = float(model.config.initializer_range) / float(projected.std())
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_((projected * scale).float())
+
+
+def text_loss(logits: torch.Tensor, next_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the text's next tokens (target ids [B, T]) under the draft ([B, T, K]);
+    tokens outside the draft's vocabulary are skipped."""
+    targets = table[next_ids.long()]  # [B, T], −1 outside
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
     target = Path(args.target)
     cache_dir = Path(args.teacher_cache) if args.teacher_cache else Path(f"{args.out}.teacher")
-    cache = teacher_cache.build_from_args(args, target, cache_dir, hidden=False)
+    cache, corpus = teacher_cache.build_from_args(args, target, cache_dir)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -176,30 +137,39 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     target_config = AutoConfig.from_pretrained(str(target))
     generation = GenerationConfig.from_pretrained(str(target))
     target_config.eos_token_id = generation.eos_token_id or target_config.eos_token_id
-    train_stream, _ = teacher_cache.corpus_streams(tokenizer, args.data)
-    vocab = draft_vocabulary(train_stream, args.vocab_top, target_config, tokenizer)
+    vocab = draft_vocabulary(corpus.train_stream, args.vocab_top, target_config, tokenizer)
     shape = DraftShape(args.layers, args.hidden, len(vocab.ids))
     max_positions = int(getattr(target_config, "max_position_embeddings", 4096))
     model = new_draft(shape, vocab, target_config, max_positions, args.seed).train()
-    train_split, held_out = cache.load("train", args.windows), cache.load("held_out", args.held_out_windows)
-    table = vocab_table(vocab)
-    print(f"{len(train_split['tokens'])} cached training windows, {len(held_out['tokens'])} held out; "
+    if args.embedding_init == "target":
+        teacher: Any = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
+        target_embedding_init(model, teacher.get_input_embeddings().weight.detach(), vocab)
+        del teacher
+    cached, held_out = cache.load("train", args.windows), cache.load("held_out", args.held_out_windows)
+    used = len(cached["tokens"])
+    text = torch.from_numpy(corpus.windows["train"][corpus.order["train"][used : used + args.text_windows]])
+    table, inputs = vocab.draft_ids(missing=-1), vocab.draft_ids()
+    print(f"{used} cached training windows, {len(text)} text windows, {len(held_out['tokens'])} held out; "
           f"draft {shape.layers} × {shape.hidden}, vocabulary {len(vocab.ids)} of {vocab.target_vocab_size}", flush=True)
     before = measure(model, held_out, vocab, args.batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = np.random.default_rng(args.seed)
-    order = np.concatenate([rng.permutation(len(train_split["tokens"])) for _ in range(-(-args.steps * args.batch_size // len(train_split["tokens"])) + 1)])
     started = time.perf_counter()
     loss_ema: float | None = None
     with tqdm(total=args.steps, desc="distill", unit="step", dynamic_ncols=True) as bar:
         for step in range(args.steps):
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, args.steps, args.lr, args.warmup)
-            chosen = torch.from_numpy(np.sort(order[step * args.batch_size : (step + 1) * args.batch_size]))
-            tokens = train_split["tokens"][chosen]
-            idx, inside = draft_targets(train_split["topk_ids"][chosen], table)
-            logits = model(input_ids=draft_inputs(tokens[:, :-1], table, vocab.fallback)).logits  # [B, T, K]
-            loss = coarse_kl(train_split["topk_logp"][chosen], idx, inside, logits).mean()
+            chosen = torch.from_numpy(np.sort(rng.choice(used, min(args.batch_size, used), replace=False)))
+            idx, inside = sparse_targets(cached["topk_ids"][chosen], table)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+                logits = model(input_ids=inputs[cached["tokens"][chosen, :-1].long()]).logits
+            loss = coarse_kl(cached["topk_logp"][chosen], idx, inside, logits).mean()
+            if len(text):
+                windows = text[np.sort(rng.choice(len(text), min(args.batch_size, len(text)), replace=False))]
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+                    text_logits = model(input_ids=inputs[windows[:, :-1]]).logits
+                loss = loss + args.text_weight * text_loss(text_logits, windows[:, 1:], table)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -207,7 +177,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             value = loss.item()
             loss_ema = value if loss_ema is None else 0.98 * loss_ema + 0.02 * value
             bar.update(1)
-            bar.set_postfix(kl=f"{loss_ema:.3f}")
+            bar.set_postfix(loss=f"{loss_ema:.3f}")
     train_s = time.perf_counter() - started
     after = measure(model, held_out, vocab, args.batch_size)
     out = Path(args.out)
@@ -218,12 +188,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     vocab.save(out)
     report = {
         "target": target.name,
-        "teacher_cache": {"windows": len(train_split["tokens"]), "held_out_windows": len(held_out["tokens"]),
+        "teacher_cache": {"windows": used, "held_out_windows": len(held_out["tokens"]),
                           "seq_len": cache.spec.seq_len, "top_k": cache.spec.top_k},
+        "text_windows": len(text), "text_weight": args.text_weight, "embedding_init": args.embedding_init,
         "shape": asdict(shape) | {"heads": shape.heads, "intermediate": shape.intermediate},
         "parameters": sum(p.numel() for p in model.parameters()),
-        "vocab_coverage": float(np.isin(train_stream, np.asarray(vocab.ids)).mean()),
-        "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed, "threads": args.threads,
+        "vocab_coverage": float(np.isin(corpus.train_stream, np.asarray(vocab.ids)).mean()),
+        "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "bf16": args.bf16,
+        "seed": args.seed, "threads": args.threads,
         "train_seconds": round(train_s, 1),
         "before": {k: round(v, 4) for k, v in before.items()},
         "after": {k: round(v, 4) for k, v in after.items()},

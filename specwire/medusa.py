@@ -5,6 +5,8 @@ Medusa-1 heads sit on the target's last hidden state h_t. Head k (k = 0 … K−
 `medusa_num_layers` residual blocks h ← h + SiLU(W h + b), W zero-initialised, then a linear map
 to the vocabulary; it predicts the token k+1 places after the one the base head predicts, i.e.
 x_{t+k+2}. They are stored beside a model as `medusa_heads.safetensors` plus `medusa_config.json`.
+With `head_vocab` = K the maps cover only K of the vocabulary's ids (`vocab_ids`, the most frequent:
+a 262k-id map per head would cost more than the base model's step); the other ids score −inf.
 
 A candidate tree comes from `medusa_choices`, as in the reference implementation: each choice is
 a path of top-k indices, one per head, e.g. (0, 1) = head 0's top-1 followed by head 1's top-2.
@@ -33,6 +35,7 @@ class MedusaConfig:
     medusa_num_layers: int
     hidden_size: int
     vocab_size: int
+    head_vocab: int = 0  # K ids each head scores (`vocab_ids`); 0: all `vocab_size`
 
 
 class ResBlock(nn.Module):
@@ -48,37 +51,53 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    """K heads over the last hidden state: [..., hidden] → [..., K, vocab] logits."""
+    """N heads over the last hidden state: [..., hidden] → [..., N, vocab] logits."""
 
-    def __init__(self, config: MedusaConfig) -> None:
+    vocab_ids: torch.Tensor  # [head_vocab] long: the ids the heads' maps score (all when not trimmed)
+
+    def __init__(self, config: MedusaConfig, vocab_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         self.config = config
+        width = config.head_vocab or config.vocab_size
         self.heads = nn.ModuleList(
             nn.Sequential(
                 *[ResBlock(config.hidden_size) for _ in range(config.medusa_num_layers)],
-                nn.Linear(config.hidden_size, config.vocab_size, bias=False),
+                nn.Linear(config.hidden_size, width, bias=False),
             )
             for _ in range(config.medusa_num_heads)
         )
+        ids = torch.arange(width) if vocab_ids is None else vocab_ids.long()
+        if ids.shape != (width,) or (config.head_vocab and not bool(((ids >= 0) & (ids < config.vocab_size)).all())):
+            raise ValueError(f"medusa vocab_ids: {width} ids in [0, {config.vocab_size}) expected")
+        self.register_buffer("vocab_ids", ids)
 
     @property
     def num_heads(self) -> int:
         return self.config.medusa_num_heads
 
+    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., N, head_vocab]: each head's logits over its own ids (`vocab_ids`)."""
+        return torch.stack([head(hidden) for head in self.heads], dim=-2)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.stack([head(hidden) for head in self.heads], dim=-2)  # [..., K, vocab]
+        scores = self.scores(hidden)  # [..., N, head_vocab]
+        if not self.config.head_vocab:
+            return scores
+        logits = scores.new_full((*scores.shape[:-1], self.config.vocab_size), float("-inf"))
+        return logits.index_copy(-1, self.vocab_ids, scores)  # [..., N, vocab]
 
     def init_from_lm_head(self, lm_head_weight: torch.Tensor) -> None:
         """Start every head's vocabulary map as the base model's (reference practice): a fresh
         head then predicts the base's next token, a better start than random."""
         with torch.no_grad():
             for head in self.heads:
-                cast(nn.Linear, cast(nn.Sequential, head)[-1]).weight.copy_(lm_head_weight)
+                cast(nn.Linear, cast(nn.Sequential, head)[-1]).weight.copy_(lm_head_weight[self.vocab_ids])
 
     def save(self, directory: str | Path) -> None:
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        state = {name: tensor.detach().to(torch.float16).contiguous() for name, tensor in self.state_dict().items()}
+        state = {name: (tensor.to(torch.float16) if tensor.is_floating_point() else tensor).detach().contiguous()
+                 for name, tensor in self.state_dict().items()}
         save_file(state, str(out / WEIGHTS_NAME))
         (out / CONFIG_NAME).write_text(json.dumps(self.config.__dict__, indent=2) + "\n")
 
@@ -88,8 +107,10 @@ class MedusaHeads(nn.Module):
         if not (path / CONFIG_NAME).is_file():
             raise ValueError(f"--medusa: {path} has no {CONFIG_NAME}")
         config = MedusaConfig(**json.loads((path / CONFIG_NAME).read_text()))
-        heads = cls(config)
-        heads.load_state_dict({k: v.float() for k, v in load_file(str(path / WEIGHTS_NAME)).items()})
+        state = load_file(str(path / WEIGHTS_NAME))
+        heads = cls(config, state.get("vocab_ids"))
+        state.setdefault("vocab_ids", heads.vocab_ids)  # heads saved before trimming existed
+        heads.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
         return heads.eval()
 
 

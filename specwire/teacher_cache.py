@@ -83,10 +83,27 @@ def bos_windows(stream: np.ndarray, seq_len: int, bos: int) -> np.ndarray:
     return np.concatenate([np.full((count, 1), bos, dtype=np.int64), chunks], axis=1)
 
 
-def window_order(train_count: int, held_out_count: int, seed: int) -> dict[str, np.ndarray]:
-    """Which windows each split caches, in order: training windows in a seeded permutation (so any
-    prefix is a uniform sample of the corpus), held-out windows in corpus order."""
-    return {"train": np.random.default_rng(seed).permutation(train_count), "held_out": np.arange(held_out_count)}
+@dataclass(frozen=True)
+class CorpusWindows:
+    """A corpus cut into windows, and the order a cache takes them in."""
+
+    train_stream: np.ndarray  # the training text's tokens (vocabulary counts come from it)
+    windows: dict[str, np.ndarray]  # "train", "held_out": [n, seq_len + 1] (`bos_windows`)
+    # Training windows in a seeded permutation (any prefix is a uniform sample of the corpus),
+    # held-out windows in corpus order.
+    order: dict[str, np.ndarray]
+    digest: str  # sha256 of both token streams
+
+
+def corpus_windows(tokenizer: PreTrainedTokenizerFast, data: Sequence[Path], seq_len: int, seed: int) -> CorpusWindows:
+    train_stream, held_stream = corpus_streams(tokenizer, data)
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    assert bos is not None
+    windows = {"train": bos_windows(train_stream, seq_len, bos), "held_out": bos_windows(held_stream, seq_len, bos)}
+    order = {"train": np.random.default_rng(seed).permutation(len(windows["train"])),
+             "held_out": np.arange(len(windows["held_out"]))}
+    digest = hashlib.sha256(train_stream.astype(np.int64).tobytes() + held_stream.astype(np.int64).tobytes()).hexdigest()
+    return CorpusWindows(train_stream, windows, order, digest)
 
 
 @torch.no_grad()
@@ -164,23 +181,19 @@ def build(
     batch_size: int = 2,
     threads: int = 1,
     seed: int = 0,
-) -> TeacherCache:
+) -> tuple[TeacherCache, CorpusWindows]:
     """Run the teacher (float32) over the chosen windows, writing the shards still missing. A
     cache that keeps hidden states serves requests without them (and goes on keeping them)."""
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True, warn_only=True)
     tokenizer = cast(PreTrainedTokenizerFast, AutoTokenizer.from_pretrained(str(target)))
-    train_stream, held_stream = corpus_streams(tokenizer, data)
-    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    assert bos is not None
-    streams = {"train": bos_windows(train_stream, seq_len, bos), "held_out": bos_windows(held_stream, seq_len, bos)}
-    corpus = hashlib.sha256(train_stream.astype(np.int64).tobytes() + held_stream.astype(np.int64).tobytes()).hexdigest()
+    corpus = corpus_windows(tokenizer, data, seq_len, seed)
     config = AutoConfig.from_pretrained(str(target))
     text_config = config.get_text_config()
     meta_path = out / META
     existing = CacheSpec(**json.loads(meta_path.read_text())["spec"]) if meta_path.exists() else None
     hidden = hidden or (existing is not None and existing.hidden_size > 0)
-    spec = CacheSpec(teacher_digest(target, tokenizer), corpus, seq_len, top_k,
+    spec = CacheSpec(teacher_digest(target, tokenizer), corpus.digest, seq_len, top_k,
                      int(text_config.hidden_size) if hidden else 0, seed)
     if existing is not None and existing != spec:
         changed = [name for name, value in asdict(spec).items() if asdict(existing)[name] != value]
@@ -188,11 +201,11 @@ def build(
     if existing is None:
         out.mkdir(parents=True, exist_ok=True)
         meta = {"spec": asdict(spec), "target": target.name, "vocab_size": int(text_config.vocab_size),
-                "data": [path.name for path in data] or ["stdlib"], "windows_available": {k: len(v) for k, v in streams.items()}}
+                "data": [path.name for path in data] or ["stdlib"], "windows_available": {k: len(v) for k, v in corpus.windows.items()}}
         meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     cache = TeacherCache(out)
-    order = window_order(len(streams["train"]), len(streams["held_out"]), seed)
-    wanted = {"held_out": min(held_out_windows, len(streams["held_out"])), "train": min(train_windows, len(streams["train"]))}
+    available = {split: len(windows) for split, windows in corpus.windows.items()}
+    wanted = {"held_out": min(held_out_windows, available["held_out"]), "train": min(train_windows, available["train"])}
     model: Any = None
     for split, count in wanted.items():
         shards = -(-count // SHARD_WINDOWS)
@@ -204,17 +217,17 @@ def build(
         with tqdm(total=shards * SHARD_WINDOWS, initial=done * SHARD_WINDOWS, desc=f"teacher {split}", unit="window",
                   dynamic_ncols=True) as bar:
             for index in range(done, shards):
-                chosen = order[split][index * SHARD_WINDOWS : (index + 1) * SHARD_WINDOWS]
+                chosen = corpus.order[split][index * SHARD_WINDOWS : (index + 1) * SHARD_WINDOWS]
                 batches = []
                 for start in range(0, len(chosen), batch_size):
-                    window = torch.from_numpy(streams[split][chosen[start : start + batch_size]])
+                    window = torch.from_numpy(corpus.windows[split][chosen[start : start + batch_size]])
                     batches.append(teacher_outputs(model, window, top_k, hidden))
                     bar.update(len(window))
                 shard = {name: torch.cat([b[name] for b in batches]).contiguous() for name in batches[0]}
                 partial = cache.shard_path(split, index).with_suffix(".partial")
                 save_file(shard, str(partial))
                 os.replace(partial, cache.shard_path(split, index))
-    return cache
+    return cache, corpus
 
 
 def add_parser(commands: Any) -> None:
@@ -226,29 +239,33 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--out", required=True, type=Path, help="the cache directory (resumed when it exists)")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The cache's flags, shared by the commands that build one on the way."""
-    parser.add_argument("--data", nargs="*", default=[], type=Path, help="text files (default: the stdlib source)")
+def add_arguments(parser: Any, common: bool = True) -> None:
+    """The cache's flags, shared by the commands that build one on the way; `common`: also
+    --data, --seq-len, --threads and --seed (for a command without its own)."""
+    if common:
+        parser.add_argument("--data", nargs="*", default=[], type=Path, help="text files (default: the stdlib source)")
+        parser.add_argument("--seq-len", type=int, default=256, help="tokens per window after its BOS")
+        parser.add_argument("--threads", type=int, default=1, help="torch threads (results are bit-exact per count)")
+        parser.add_argument("--seed", type=int, default=0, help="order of the training windows")
     parser.add_argument("--windows", type=int, default=512, help="training windows cached (a seeded sample)")
     parser.add_argument("--held-out-windows", type=int, default=48, help="held-out windows cached (for α)")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per window after its BOS")
     parser.add_argument("--top-k", type=int, default=64, help="teacher log-probs kept per position")
     parser.add_argument("--keep-hidden", action="store_true", help="also keep the final hidden states (Medusa heads)")
     parser.add_argument("--teacher-batch", type=int, default=2, help="windows per teacher forward")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (results are bit-exact per count)")
-    parser.add_argument("--seed", type=int, default=0, help="order of the training windows")
 
 
-def build_from_args(args: argparse.Namespace, target: Path, out: Path, hidden: bool = False) -> TeacherCache:
+def build_from_args(
+    args: argparse.Namespace, target: Path, out: Path, hidden: bool = False
+) -> tuple[TeacherCache, CorpusWindows]:
     for name in ("windows", "held_out_windows", "seq_len", "top_k", "teacher_batch", "threads"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
-    return build(target, out, args.data, args.windows, args.held_out_windows, args.seq_len, args.top_k,
+    return build(target, out, [Path(path) for path in args.data or []], args.windows, args.held_out_windows, args.seq_len, args.top_k,
                  args.keep_hidden or hidden, args.teacher_batch, args.threads, args.seed)
 
 
 def run(args: argparse.Namespace) -> int:
-    cache = build_from_args(args, args.target, args.out)
+    cache, _ = build_from_args(args, args.target, args.out)
     counts = {split: len(cache.shards(split)) * SHARD_WINDOWS for split in ("train", "held_out")}
     print(f"{args.out}: {counts['train']} training and {counts['held_out']} held-out windows of {args.seq_len} tokens")
     return 0

@@ -28,9 +28,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specwire import teacher_cache
 from specwire.demo import demo_target_dir
 from specwire.demo.train_pair import encode_stream, load_corpus, windows
 from specwire.medusa import MedusaConfig, MedusaHeads
+from specwire.sparse_distill import coarse_kl, draft_vocabulary, sparse_targets
 
 
 def head_losses(
@@ -56,6 +58,26 @@ def head_losses(
     return torch.stack(losses)
 
 
+def hits_at(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head, how many of its top-1 and top-5 ids equal the text's token ([N, 2]) and over how
+    many positions ([N]). hidden: [B, T, H] at tokens[:, :T]; tokens: [B, T+1]."""
+    top5 = heads.vocab_ids[heads.scores(hidden).topk(5, dim=-1).indices]  # [B, T, N, 5]: vocabulary ids
+    hits = torch.zeros(heads.num_heads, 2)
+    counts = torch.zeros(heads.num_heads)
+    for k in range(heads.num_heads):
+        usable = tokens.shape[1] - 1 - k - 1
+        target = tokens[:, k + 2 : k + 2 + usable].unsqueeze(-1)  # [B, usable, 1]
+        found = top5[:, :usable, k] == target  # [B, usable, 5]
+        hits[k, 0] += found[..., 0].sum()
+        hits[k, 1] += found.any(dim=-1).sum()
+        counts[k] += target.numel()
+    return hits, counts
+
+
+def accuracy_report(hits: torch.Tensor, counts: torch.Tensor) -> list[dict[str, float]]:
+    return [{"top1": float(hits[k, 0] / counts[k]), "top5": float(hits[k, 1] / counts[k])} for k in range(len(counts))]
+
+
 @torch.no_grad()
 def head_accuracy(model: Any, heads: MedusaHeads, val: np.ndarray, batch_size: int) -> list[dict[str, float]]:
     """Each head's top-1 and top-5 accuracy on held-out windows [N, T+1] (the text's own tokens)."""
@@ -64,15 +86,9 @@ def head_accuracy(model: Any, heads: MedusaHeads, val: np.ndarray, batch_size: i
     for start in range(0, len(val), batch_size):
         batch = torch.from_numpy(val[start : start + batch_size])
         hidden = model.base_model(input_ids=batch[:, :-1]).last_hidden_state  # [B, T, H]
-        top5 = heads(hidden).topk(5, dim=-1).indices  # [B, T, K, 5]
-        for k in range(heads.num_heads):
-            usable = batch.shape[1] - 1 - k - 1
-            target = batch[:, k + 2 : k + 2 + usable].unsqueeze(-1)  # [B, usable, 1]
-            found = top5[:, :usable, k] == target  # [B, usable, 5]
-            hits[k, 0] += found[..., 0].sum()
-            hits[k, 1] += found.any(dim=-1).sum()
-            counts[k] += target.numel()
-    return [{"top1": float(hits[k, 0] / counts[k]), "top5": float(hits[k, 1] / counts[k])} for k in range(len(counts))]
+        batch_hits, batch_counts = hits_at(heads, hidden, batch)
+        hits, counts = hits + batch_hits, counts + batch_counts
+    return accuracy_report(hits, counts)
 
 
 def load_streams(tokenizer: Any, data: list[str], max_files: int) -> tuple[np.ndarray, np.ndarray]:
@@ -89,6 +105,75 @@ def load_streams(tokenizer: Any, data: list[str], max_files: int) -> tuple[np.nd
     return encode_stream(tokenizer, train), encode_stream(tokenizer, val)
 
 
+def new_heads(args: argparse.Namespace, lm_head: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> MedusaHeads:
+    """Fresh heads whose vocabulary maps start as the base's (rows `vocab_ids` when trimmed), or
+    `--init`'s saved heads when they fit."""
+    head_vocab = 0 if vocab_ids is None else len(vocab_ids)
+    config = MedusaConfig(args.heads, args.layers, int(lm_head.shape[1]), int(lm_head.shape[0]), head_vocab)
+    if args.init:  # continue from saved heads
+        heads = MedusaHeads.load(args.init).train()
+        if heads.config != config or (vocab_ids is not None and not torch.equal(heads.vocab_ids, vocab_ids)):
+            raise SystemExit(f"--init: heads {heads.config} do not fit {config}")
+        return heads
+    heads = MedusaHeads(config, vocab_ids)
+    heads.init_from_lm_head(lm_head)
+    return heads
+
+
+def train_from_cache(args: argparse.Namespace) -> dict[str, Any]:
+    """Self-distillation from a teacher cache (`specwire.teacher_cache`, with hidden states): no base
+    forward per step. Head k at position t learns the base's cached top-k distribution at t+k+1
+    through the coarsened KL of `specwire.sparse_distill`, over the `--vocab-top` ids."""
+    cache, corpus = teacher_cache.build_from_args(args, Path(args.model), Path(args.teacher_cache), hidden=True)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    model: Any = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    config = model.config.get_text_config()
+    config.eos_token_id = model.generation_config.eos_token_id or config.eos_token_id
+    vocab = draft_vocabulary(corpus.train_stream, args.vocab_top, config, tokenizer) if args.vocab_top else None
+    lm_head = model.get_output_embeddings().weight.detach()
+    heads = new_heads(args, lm_head, None if vocab is None else torch.tensor(vocab.ids))
+    del model, lm_head
+    table = heads.vocab_ids.new_full((heads.config.vocab_size,), -1)
+    table[heads.vocab_ids] = torch.arange(len(heads.vocab_ids))
+    cached, held_out = cache.load("train", args.windows), cache.load("held_out", args.held_out_windows)
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=0.0)
+    rng = np.random.default_rng(args.seed)
+    started = time.perf_counter()
+    history: list[list[float]] = []
+    bar = tqdm(range(args.steps), desc="train-medusa", unit="step")
+    for step in bar:
+        scale = min(1.0, (step + 1) / max(1, args.steps // 20))  # linear warm-up, then cosine decay
+        scale *= 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr * scale
+        chosen = torch.from_numpy(np.sort(rng.choice(len(cached["tokens"]), args.batch_size, replace=False)))
+        scores = heads.scores(cached["hidden"][chosen].float())  # [B, T, N, head_vocab]
+        idx, inside = sparse_targets(cached["topk_ids"][chosen], table)  # [B, T, k]
+        teacher = cached["topk_logp"][chosen]
+        steps_in = scores.shape[1]
+        losses = torch.stack([
+            coarse_kl(teacher[:, k + 1 :], idx[:, k + 1 :], inside[:, k + 1 :], scores[:, : steps_in - k - 1, k]).mean()
+            for k in range(heads.num_heads)
+        ])  # [N]: head k at t against the base at t+k+1
+        optimizer.zero_grad(set_to_none=True)
+        losses.sum().backward()
+        optimizer.step()
+        history.append(losses.tolist())
+        bar.set_postfix(loss=" ".join(f"{value:.2f}" for value in history[-1]))
+    heads.eval()
+    with torch.no_grad():
+        hits, counts = torch.zeros(heads.num_heads, 2), torch.zeros(heads.num_heads)
+        for start in range(0, len(held_out["tokens"]), args.batch_size):
+            batch_hits, batch_counts = hits_at(heads, held_out["hidden"][start : start + args.batch_size].float(),
+                                               held_out["tokens"][start : start + args.batch_size].long())
+            hits, counts = hits + batch_hits, counts + batch_counts
+    return save_with_report(args, heads, history, accuracy_report(hits, counts), time.perf_counter() - started,
+                            teacher_cache={"windows": len(cached["tokens"]), "held_out_windows": len(held_out["tokens"])},
+                            head_vocab=heads.config.head_vocab)
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -98,15 +183,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     train_stream, val_stream = load_streams(tokenizer, args.data or [], args.max_files)
     train_windows = windows(train_stream, args.seq_len)
     val_windows = windows(val_stream, args.seq_len)[: args.eval_windows]
-    lm_head = model.get_output_embeddings().weight
-    config = MedusaConfig(args.heads, args.layers, int(lm_head.shape[1]), int(lm_head.shape[0]))
-    if args.init:  # continue from saved heads
-        heads = MedusaHeads.load(args.init).train()
-        if heads.config != config:
-            raise SystemExit(f"--init: heads {heads.config} do not fit {config}")
-    else:
-        heads = MedusaHeads(config)
-        heads.init_from_lm_head(lm_head)
+    heads = new_heads(args, model.get_output_embeddings().weight)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=0.0)
     rng = np.random.default_rng(args.seed)
     started = time.perf_counter()
@@ -130,6 +207,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         bar.set_postfix(loss=" ".join(f"{value:.2f}" for value in history[-1]))
     heads.eval()
     accuracy = head_accuracy(model, heads, val_windows, args.batch_size)
+    return save_with_report(args, heads, history, accuracy, time.perf_counter() - started)
+
+
+def save_with_report(
+    args: argparse.Namespace, heads: MedusaHeads, history: list[list[float]], accuracy: list[dict[str, float]],
+    seconds: float, **extra: Any
+) -> dict[str, Any]:
     heads.save(args.out)
     report = {
         "model": "specwire-demo-target" if Path(args.model) == demo_target_dir() else Path(args.model).name,
@@ -142,11 +226,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "lr": args.lr,
         "seed": args.seed,
         "init": Path(args.init).name if args.init else None,
-        "train_seconds": round(time.perf_counter() - started, 1),
+        "train_seconds": round(seconds, 1),
         # Per head, mean training loss over the first and the last tenth of the steps.
         "loss_first": np.mean(history[: max(1, len(history) // 10)], axis=0).tolist(),
         "loss_last": np.mean(history[-max(1, len(history) // 10) :], axis=0).tolist(),
         "held_out_accuracy": accuracy,
+        **extra,
     }
     (Path(args.out) / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -169,10 +254,14 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--max-files", type=int, default=400, help="stdlib training files used, evenly spread")
     parser.add_argument("--eval-windows", type=int, default=64)
     parser.add_argument("--init", help="continue training these heads (a --out of an earlier run)")
+    cached = parser.add_argument_group("from a teacher cache (specwire teacher-cache; built, with hidden states, if missing)")
+    cached.add_argument("--teacher-cache", help="learn from this cache instead of running the model per step")
+    cached.add_argument("--vocab-top", type=int, default=0, help="heads score only the K most frequent ids (0: all)")
+    teacher_cache.add_arguments(cached, common=False)
 
 
 def main(args: argparse.Namespace) -> int:
-    report = train(args)
+    report = train_from_cache(args) if args.teacher_cache else train(args)
     for k, accuracy in enumerate(report["held_out_accuracy"]):
         print(f"head {k} (token t+{k + 2}): top-1 {accuracy['top1']:.1%}, top-5 {accuracy['top5']:.1%}")
     print(f"saved to {args.out}")

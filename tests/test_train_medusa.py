@@ -40,3 +40,25 @@ def test_train_medusa_is_deterministic_and_learns(llama_target_dir: Path, tmp_pa
     assert all(last < start for start, last in zip(loss_first, loss_last, strict=True))
     heads = MedusaHeads.load(tmp_path / "a")
     assert heads.num_heads == 2 and heads.config.vocab_size == 320
+
+
+def test_train_medusa_from_a_teacher_cache_learns_trimmed_heads_that_load_back(llama_target_dir: Path, tmp_path: Path) -> None:
+    """--teacher-cache: the base runs once per window (the cache, with hidden states); the heads
+    cover the 64 most frequent ids and score −inf elsewhere; the same cache gives the same heads."""
+    text = tmp_path / "text.txt"
+    text.write_text("".join(CORPUS) * 40)
+    reports = []
+    for name in ("a", "b"):
+        argv = ["train-medusa", "--model", str(llama_target_dir), "--out", str(tmp_path / name), "--data", str(text),
+                "--teacher-cache", str(tmp_path / "cache"), "--windows", "16", "--held-out-windows", "16", "--seq-len", "32",
+                "--top-k", "16", "--vocab-top", "64", "--steps", "30", "--heads", "2", "--batch-size", "4", "--lr", "3e-3"]
+        assert main(argv) == 0
+        reports.append(json.loads((tmp_path / name / "train_report.json").read_text()))
+    assert reports[0]["held_out_accuracy"] == reports[1]["held_out_accuracy"]
+    assert all(last < start for start, last in zip(reports[0]["loss_first"], reports[0]["loss_last"], strict=True))
+    heads = MedusaHeads.load(tmp_path / "a")
+    assert heads.config.head_vocab == 64 and heads.config.vocab_size == 320
+    logits = heads(torch.randn(3, heads.config.hidden_size))  # [3, heads, 320]
+    outside = torch.ones(320, dtype=torch.bool)
+    outside[heads.vocab_ids] = False
+    assert bool(torch.isneginf(logits[..., outside]).all()) and bool(torch.isfinite(logits[..., heads.vocab_ids]).all())

@@ -40,9 +40,9 @@ class TrimmedVocab:
         if not 0 <= self.fallback < len(self.ids):
             raise ValueError(f"{VOCAB_FILE}: fallback must be a draft id in [0, {len(self.ids)})")
 
-    def draft_ids(self) -> torch.Tensor:
-        """[V] long: each target id's draft id (`fallback` outside the K)."""
-        table = torch.full((self.target_vocab_size,), self.fallback, dtype=torch.long)
+    def draft_ids(self, missing: int | None = None) -> torch.Tensor:
+        """[V] long: each target id's draft id; outside the K, `fallback` (or `missing`)."""
+        table = torch.full((self.target_vocab_size,), self.fallback if missing is None else missing, dtype=torch.long)
         table[torch.tensor(self.ids, dtype=torch.long)] = torch.arange(len(self.ids))
         return table
 
