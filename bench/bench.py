@@ -118,6 +118,11 @@ DEFAULT_PROMPTS = [
 ]
 
 
+# Named prompt sets (`--prompts NAME`). input_grounded: answers that copy from the prompt (edit
+# this function, continue this list, answer from this passage), where prompt lookup drafts well.
+PROMPT_SETS = Path(__file__).parent / "prompts"
+
+
 @dataclass(frozen=True)
 class RowSpec:
     name: str
@@ -303,7 +308,7 @@ class HfRunner:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
-        from specwire.engine import resolve_device, resolve_dtype
+        from specwire.engine import resolve_device, resolve_dtype, trimmed_vocab
 
         hf_logging.set_verbosity_error()
         self.torch = torch
@@ -311,6 +316,7 @@ class HfRunner:
         torch_dtype = resolve_dtype(dtype, self.device)
         target: Any = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch_dtype)
         draft: Any = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch_dtype)
+        trimmed_vocab.expand(draft, draft_dir)  # a trimmed-vocabulary draft speaks the target's ids
         self.target = target.to(self.device).eval()
         self.draft = draft.to(self.device).eval()
         self.target_timer = ForwardTimer(self.target)
@@ -1011,9 +1017,12 @@ def markdown_table(report: dict[str, Any]) -> str:
 
 
 def load_prompts(path: str | None) -> list[str]:
-    """A JSON list of strings, or one prompt per non-empty line with `\\n` escapes; None = defaults."""
+    """A JSON list of strings, or one prompt per non-empty line with `\\n` escapes, or the name of
+    a set shipped in `PROMPT_SETS`; None = defaults."""
     if path is None:
         return list(DEFAULT_PROMPTS)
+    if not Path(path).exists() and (PROMPT_SETS / f"{path}.json").is_file():
+        path = str(PROMPT_SETS / f"{path}.json")
     text = Path(path).read_text()
     if path.endswith(".json"):
         prompts = json.loads(text)
@@ -1038,7 +1047,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", action="store_true", help="write the report as JSON (to --out, else stdout)")
     parser.add_argument("--out", help="write the report here (JSON with --json, else Markdown)")
-    parser.add_argument("--prompts", help="a JSON list of prompts, or one prompt per line (\\n escapes)")
+    parser.add_argument(
+        "--prompts", help="a JSON list of prompts, one prompt per line (\\n escapes), or a shipped set: input_grounded"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gamma", type=int, default=4, help="γ of the speculative and constant-schedule rows")

@@ -15,6 +15,7 @@ from typing import Any
 
 from specwire.bench import bench, bounds, experiment, quality, soak
 from specwire.bench.entropix_plot import STATE_COLOURS, plot_decisions
+from specwire.client import pair
 from specwire.client.sdk import Client, GenerateResult, GenerationError, enum_names, stats_as_dict
 from specwire.draft_service import distill
 from specwire.target_service import train_medusa
@@ -184,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="start the services on the demo pair, generate, stop")
     _add_stack_flags(demo)
+    demo.add_argument("--pair", choices=sorted(pair.RECIPES),
+                      help="run on this real pair as `specwire pair NAME` built it (its default directory)")
     demo.add_argument("--prompt", default="def fibonacci(n):\n")
     demo.add_argument("--max-new-tokens", type=int, default=48)
 
@@ -211,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     distill.add_parser(commands)
     train_medusa.add_parser(commands)
     teacher_cache.add_parser(commands)
+    pair.add_parser(commands)
     model_zoo.add_parser(commands)
     quality.add_parser(commands)
     return parser
@@ -461,8 +465,14 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from specwire.client.launcher import Stack
 
+    if args.pair:
+        built = model_zoo.default_dir(args.pair)
+        if not (built / "draft" / "config.json").exists():
+            raise SystemExit(f"--pair {args.pair}: run `specwire pair {args.pair}` first ({built} has no draft)")
+        args.target_model, args.draft_model = str(built), str(built / "draft")
+        args.medusa = args.medusa or (str(built / "medusa") if (built / "medusa").is_dir() else None)
     with Stack(_stack_config(args)) as stack:
-        print("starting draft, target and orchestrator on the demo pair…", flush=True)
+        print(f"starting draft, target and orchestrator on the {args.pair or 'demo'} pair…", flush=True)
         stack.start()
         with Client(stack.config.address, timeout=120) as client:
             runs: list[tuple[str, dict[str, Any]]] = [
@@ -620,7 +630,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "distill": distill.run, "train-medusa": train_medusa.main, "teacher-cache": teacher_cache.run, "models": model_zoo.run, "quality": quality.run}
+COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "distill": distill.run, "train-medusa": train_medusa.main, "teacher-cache": teacher_cache.run, "pair": pair.run, "models": model_zoo.run, "quality": quality.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

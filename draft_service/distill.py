@@ -166,13 +166,14 @@ def add_parser(commands: Any) -> None:
     scratch_flags.add_argument("--text-windows", type=int, default=0,
                                help="uncached training windows learnt from the text's own next tokens")
     scratch_flags.add_argument("--text-weight", type=float, default=1.0, help="weight of their cross-entropy")
+    scratch_flags.add_argument("--text-batch", type=int, default=8, help="text windows per step (with --batch-size cached)")
     scratch_flags.add_argument("--bf16", action="store_true", help="bfloat16 autocast (faster on CPUs with AMX)")
     scratch_flags.add_argument("--teacher-cache", help="the teacher cache directory (default: OUT.teacher; built if missing)")
     teacher_cache.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("steps", "batch_size", "seq_len", "eval_windows", "threads", "layers", "hidden", "vocab_top"):
+    for name in ("steps", "batch_size", "seq_len", "eval_windows", "threads", "layers", "hidden", "vocab_top", "text_batch"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
     if args.from_scratch == (args.draft is not None):

@@ -166,7 +166,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 logits = model(input_ids=inputs[cached["tokens"][chosen, :-1].long()]).logits
             loss = coarse_kl(cached["topk_logp"][chosen], idx, inside, logits).mean()
             if len(text):
-                windows = text[np.sort(rng.choice(len(text), min(args.batch_size, len(text)), replace=False))]
+                windows = text[np.sort(rng.choice(len(text), min(args.text_batch, len(text)), replace=False))]
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
                     text_logits = model(input_ids=inputs[windows[:, :-1]]).logits
                 loss = loss + args.text_weight * text_loss(text_logits, windows[:, 1:], table)
@@ -190,7 +190,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "target": target.name,
         "teacher_cache": {"windows": used, "held_out_windows": len(held_out["tokens"]),
                           "seq_len": cache.spec.seq_len, "top_k": cache.spec.top_k},
-        "text_windows": len(text), "text_weight": args.text_weight, "embedding_init": args.embedding_init,
+        "text_windows": len(text), "text_weight": args.text_weight, "text_batch": args.text_batch, "embedding_init": args.embedding_init,
         "shape": asdict(shape) | {"heads": shape.heads, "intermediate": shape.intermediate},
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab_coverage": float(np.isin(corpus.train_stream, np.asarray(vocab.ids)).mean()),

@@ -1,0 +1,108 @@
+"""`specwire pair NAME`: a real target with a distilled draft and Medusa heads, built locally.
+
+One command runs every step, each skipped when its output is already there, so a second run
+takes seconds:
+
+1. the target (`specwire models fetch NAME`) into DIR;
+2. the teacher cache (`specwire teacher-cache`, with hidden states) into DIR/teacher-cache;
+3. the draft (`specwire distill --from-scratch`) into DIR/draft: a small Llama over the
+   target's most frequent ids, from the cache plus the text's own next tokens;
+4. Medusa heads (`specwire train-medusa --teacher-cache`) into DIR/medusa.
+
+The training text is the Python standard library's source (the demo pair's split), which every
+machine with Python has; the recipe per model is sized to finish within an hour on a 2-core CPU.
+Nothing built here is part of specwire: it derives from the target's weights and their terms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specwire.draft_service import distill
+from specwire.target_service import train_medusa
+
+from specwire import model_zoo
+
+log = logging.getLogger("specwire")
+
+RECORD = "specwire-pair.json"  # what was built, with each step's seconds
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The flags each step runs with (shared: the cache's)."""
+
+    cache: tuple[str, ...]  # teacher-cache flags, repeated to the steps that read the cache
+    draft: tuple[str, ...]  # distill --from-scratch flags
+    medusa: tuple[str, ...]  # train-medusa flags
+
+
+RECIPES: dict[str, Recipe] = {
+    "gemma-3-270m": Recipe(
+        cache=("--windows", "512", "--held-out-windows", "48", "--seq-len", "256", "--top-k", "64"),
+        draft=("--layers", "4", "--hidden", "384", "--vocab-top", "16384", "--text-windows", "20000",
+               "--steps", "1500", "--batch-size", "8", "--text-batch", "8", "--lr", "2e-3", "--warmup", "100", "--bf16"),
+        medusa=("--heads", "3", "--layers", "1", "--vocab-top", "16384", "--steps", "600", "--batch-size", "4",
+                "--lr", "1e-3"),
+    ),
+}
+
+
+def parse_command(add_parser: Callable[[Any], None], argv: list[str]) -> argparse.Namespace:
+    """`argv` parsed as the command `add_parser` defines would parse it on the command line."""
+    parser = argparse.ArgumentParser(prog="specwire")
+    add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+def build(name: str, out: Path, threads: int, medusa: bool = True) -> dict[str, Any]:
+    """Every missing part of NAME's pair under `out`; returns the record of what each step took."""
+    recipe = RECIPES[name]
+    record_path = out / RECORD
+    record: dict[str, Any] = json.loads(record_path.read_text()) if record_path.exists() else {"name": name}
+    steps: list[tuple[str, Path, Callable[[], object]]] = []
+    common = ["--teacher-cache", str(out / "teacher-cache"), "--threads", str(threads), *recipe.cache]
+    steps.append(("target", out / model_zoo.DONE_MARK, lambda: model_zoo.fetch(name, out)))
+    draft_argv = ["distill", "--from-scratch", "--target", str(out), "--out", str(out / "draft"), *common, *recipe.draft]
+    # The cache keeps hidden states from the start when Medusa heads will read it.
+    draft_argv += ["--keep-hidden"] if medusa else []
+    steps.append(("draft", out / "draft" / "distill_report.json",
+                  lambda: distill.run(parse_command(distill.add_parser, draft_argv))))
+    if medusa:
+        medusa_argv = ["train-medusa", "--model", str(out), "--out", str(out / "medusa"), *common, *recipe.medusa]
+        steps.append(("medusa", out / "medusa" / "train_report.json",
+                      lambda: train_medusa.main(parse_command(train_medusa.add_parser, medusa_argv))))
+    for step, done, run in steps:
+        if done.exists():
+            continue
+        log.info("pair %s: building the %s", name, step)
+        started = time.perf_counter()
+        run()
+        record[f"{step}_seconds"] = round(time.perf_counter() - started, 1)
+        out.mkdir(parents=True, exist_ok=True)
+        record_path.write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser("pair", help="a real target with its distilled draft and Medusa heads (cached steps)")
+    parser.add_argument("name", choices=sorted(RECIPES))
+    parser.add_argument("--out", type=Path, help="directory (default: ~/.cache/specwire/models/NAME)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of every step")
+    parser.add_argument("--no-medusa", action="store_true", help="skip the Medusa heads")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = args.out or model_zoo.default_dir(args.name)
+    record = build(args.name, out, args.threads, medusa=not args.no_medusa)
+    seconds = sum(value for key, value in record.items() if key.endswith("_seconds"))
+    print(f"{out}: target; {out / 'draft'}: draft" + ("" if args.no_medusa else f"; {out / 'medusa'}: Medusa heads"))
+    print(f"built in {seconds / 60:.1f} min in all (per step: {RECORD})")
+    return 0
