@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from specwire.engine import CausalLM, Engine, trimmed_vocab
+from specwire import model_zoo
+from specwire.engine import CausalLM, Engine, EngineLimits, trimmed_vocab
 from tests.harness import LoopThread, Stack, start_model_server, start_orchestrator
 from tests.tiny import build_tokenizer, save_gpt2, save_llama
 
@@ -52,17 +53,20 @@ def loop() -> Iterator[LoopThread]:
     thread.close()
 
 
-def load_engine(path: Path, role: str, warm: bool = True) -> Engine:
+def load_engine(path: Path, role: str, warm: bool = True, engine_limits: EngineLimits | None = None) -> Engine:
     """As a model service loads one: warmed up, its forward costs timed for `Info`."""
-    engine = Engine(CausalLM.load(str(path), device="cpu", dtype="float32"), role)
+    engine = Engine(CausalLM.load(str(path), device="cpu", dtype="float32"), role, engine_limits)
     if warm:
         engine.warmup()
     return engine
 
 
-def make_stack(loop: LoopThread, target_dir: Path, draft_dir: Path, warm: bool = True, **limits: object) -> Stack:
-    target = loop.run(start_model_server(load_engine(target_dir, "target", warm)))
-    draft = loop.run(start_model_server(load_engine(draft_dir, "draft", warm)))
+def make_stack(
+    loop: LoopThread, target_dir: Path, draft_dir: Path, warm: bool = True, engine_limits: EngineLimits | None = None,
+    **limits: object,
+) -> Stack:
+    target = loop.run(start_model_server(load_engine(target_dir, "target", warm, engine_limits)))
+    draft = loop.run(start_model_server(load_engine(draft_dir, "draft", warm, engine_limits)))
     orchestrator = loop.run(start_orchestrator(target.address, draft.address, str(target_dir), **limits))
     return Stack(loop, target, draft, orchestrator)
 
@@ -79,6 +83,13 @@ def gpt2_stack(loop: LoopThread, gpt2_target_dir: Path, llama_draft_dir: Path) -
     stack = make_stack(loop, gpt2_target_dir, llama_draft_dir, max_new_tokens_limit=256)
     yield stack
     stack.stop()
+
+
+def gemma_dir() -> Path | None:
+    """Gemma-3-270M as `specwire models fetch gemma-3-270m` prepares it (SPECWIRE_GEMMA_DIR, or the
+    default directory), or None where it has not been fetched."""
+    path = Path(os.environ.get("SPECWIRE_GEMMA_DIR", str(model_zoo.default_dir("gemma-3-270m"))))
+    return path if (path / model_zoo.DONE_MARK).exists() else None
 
 
 def hf_model(path: Path) -> torch.nn.Module:

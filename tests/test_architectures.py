@@ -8,7 +8,6 @@ Gemma-3-270M itself is checked where `specwire models fetch gemma-3-270m` has pr
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,12 +19,11 @@ from specwire.client.sdk import build_request
 from specwire.orchestrator.generation import Decoder
 from specwire.orchestrator.models import LocalModel
 
-from specwire import model_zoo
 from specwire.engine import CausalLM, Engine, EngineLimits
 from specwire.engine.forward import HFForward
 from specwire.engine.quantize import Int4Linear, Int8Linear
 from specwire.session import OpenRequest, ScoreKind, Scoring
-from tests.conftest import hf_model
+from tests.conftest import gemma_dir, hf_model
 from tests.tiny import save_gemma3, save_gpt2, save_llama, save_mistral, save_qwen2, save_qwen3
 
 BUILDERS: dict[str, Callable[..., Path]] = {
@@ -135,14 +133,9 @@ def test_an_unknown_quantisation_is_refused_naming_the_flag(arch_dir: Path) -> N
         CausalLM.load(str(arch_dir), device="cpu", quantization="int3")
 
 
-def _gemma_dir() -> Path | None:
-    path = Path(os.environ.get("SPECWIRE_GEMMA_DIR", str(model_zoo.default_dir("gemma-3-270m"))))
-    return path if (path / model_zoo.DONE_MARK).exists() else None
-
-
-@pytest.mark.skipif(_gemma_dir() is None, reason="Gemma-3-270M not prepared (specwire models fetch gemma-3-270m)")
+@pytest.mark.skipif(gemma_dir() is None, reason="Gemma-3-270M not prepared (specwire models fetch gemma-3-270m)")
 def test_gemma_3_270m_float32_greedy_and_beam_equal_transformers() -> None:
-    path = _gemma_dir()
+    path = gemma_dir()
     assert path is not None
     backend = engine(path, max_batch_rows=4, max_cache_len=256)
     reference = hf_model(path)
