@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specwire.bench import bench, bounds, experiment, quality, soak
+from specwire.bench import bench, bounds, draft_quality, experiment, quality, soak
 from specwire.bench.entropix_plot import STATE_COLOURS, plot_decisions
 from specwire.client import pair
 from specwire.client.sdk import Client, GenerateResult, GenerationError, enum_names, stats_as_dict
@@ -217,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_parser(commands)
     model_zoo.add_parser(commands)
     quality.add_parser(commands)
+    draft_quality.add_parser(commands)
     return parser
 
 
@@ -630,7 +631,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "distill": distill.run, "train-medusa": train_medusa.main, "teacher-cache": teacher_cache.run, "pair": pair.run, "models": model_zoo.run, "quality": quality.run}
+COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "distill": distill.run, "train-medusa": train_medusa.main, "teacher-cache": teacher_cache.run, "pair": pair.run, "models": model_zoo.run, "quality": quality.run, "draft-quality": draft_quality.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

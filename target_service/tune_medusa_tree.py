@@ -7,7 +7,7 @@ nodes of a tree that match form one root path, and a tree's expected accepted le
 the sum over its nodes of P(node's path matches). A match implies its prefix matches, so the n
 paths with the highest match rates form a valid tree: the best n-node tree for this data.
 
-    python -m specwire.target_service.tune_medusa_tree --heads DIR [--model DIR] [--nodes 24]
+    python -m specwire.target_service.tune_medusa_tree --heads DIR [--model DIR] [--nodes 24] [--out FILE]
 """
 
 from __future__ import annotations
@@ -91,10 +91,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--max-rank", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", help="also write the choices here (a --medusa-choices file)")
     args = parser.parse_args(argv)
     result = measure(args)
     print(json.dumps(result["expected_accepted_by_nodes"], indent=2))
     print(json.dumps(result["choices"]))
+    if args.out:
+        with open(args.out, "w") as out:
+            out.write(json.dumps(result["choices"]) + "\n")
 
 
 if __name__ == "__main__":

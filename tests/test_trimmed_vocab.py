@@ -21,7 +21,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from specwire.bench.draft_quality import pair_sums
 from specwire.client import Client
+from specwire.client.cli import main as cli_main
 from specwire.draft_service.scratch import DraftShape, new_draft
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -184,3 +186,26 @@ def test_greedy_speculation_with_a_trimmed_draft_equals_target_greedy(trimmed_st
         expected = client.generate(prompt, strategy="greedy", max_new_tokens=30, ignore_eos=True).token_ids
         got = client.generate(prompt, strategy="speculative", num_speculative_tokens=3, max_new_tokens=30, ignore_eos=True)
         assert got.token_ids == expected, prompt
+
+
+def test_pair_sums_are_alpha_agreement_outside_mass_and_kl_on_the_draft_ids() -> None:
+    target = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    draft = torch.tensor([[1.0, float("-inf"), 2.0, float("-inf")]])  # the draft has ids 0 and 2
+    p, q = target.softmax(-1)[0], draft.softmax(-1)[0]
+    alpha, agree, outside, kl = pair_sums(target, draft).tolist()
+    assert alpha == pytest.approx(float(torch.minimum(p, q).sum()))
+    assert agree == 0.0 and outside == pytest.approx(float(p[1] + p[3]))
+    kept = p[[0, 2]] / p[[0, 2]].sum()
+    assert kl == pytest.approx(float((kept * (kept / q[[0, 2]]).log()).sum()))
+
+
+def test_draft_quality_reports_exact_figures_for_a_trimmed_draft(
+    small_target_dir: Path, trimmed_draft_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["draft-quality", "--target", str(small_target_dir), "--draft", str(trimmed_draft_dir), "--windows", "2",
+            "--window", "16", "--prompts", "input_grounded", "--new-tokens", "4", "--json"]
+    assert cli_main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    for part in ("held_out", "continuations"):
+        values = report["modes"]["none"][part]
+        assert 0.0 < values["alpha"] < 1.0 and values["target_mass_outside_draft"] > 0.0

@@ -1,0 +1,97 @@
+"""`specwire draft-quality`: how well a draft matches its target, on the full vocabulary.
+
+    specwire draft-quality --target DIR --draft DIR [--quantize none,int8] [--prompts NAME] [--json]
+
+For the target as served with each `--quantize` mode (on its own engine, eager), and the draft as
+a draft service loads it (a trimmed-vocabulary draft scores all ids, zero outside its own):
+- on held-out stdlib windows (each after a BOS, as a served prompt starts), and on the target's
+  own greedy continuations of the bench prompts (what a speculative round drafts against):
+  α = Σ_x min(p(x), q(x)) (Leviathan et al. 2023, Def. 3.1; the expected acceptance of one
+  sampled draft token), greedy agreement (argmax q = argmax p), the target's mass outside the
+  draft's ids, and KL(p‖q) on the draft's ids (p renormalised there; over all ids it is infinite
+  for a trimmed draft). Exact, unlike the teacher cache's bounds (`specwire.sparse_distill`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import torch
+from specwire.bench.bench import load_prompts
+from specwire.bench.quality import greedy, held_out_windows, window_logits
+
+from specwire.engine import CausalLM, Engine, EngineLimits
+
+
+def pair_sums(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+    """Per-position figures summed over positions: [α, agreement, mass outside, KL on the draft's ids].
+    target_logits, draft_logits: [N, V] (−inf where the draft has no id)."""
+    p, q = target_logits.float().softmax(-1), draft_logits.float().softmax(-1)  # [N, V]
+    inside = torch.isfinite(draft_logits)  # [N, V]
+    alpha = torch.minimum(p, q).sum(-1)
+    agree = (p.argmax(-1) == q.argmax(-1)).float()
+    p_in = torch.where(inside, p, 0.0)
+    mass_in = p_in.sum(-1, keepdim=True)  # [N, 1]
+    renormed = p_in / mass_in
+    kl = torch.where(inside & (renormed > 0), renormed * (renormed.log() - q.log()), 0.0).sum(-1)
+    return torch.stack([alpha.sum(), agree.sum(), (1 - mass_in).sum(), kl.sum()])
+
+
+def figures(sums: torch.Tensor, count: int) -> dict[str, float]:
+    alpha, agree, outside, kl = (sums / max(1, count)).tolist()
+    return {"alpha": alpha, "greedy_agreement": agree, "target_mass_outside_draft": outside, "kl_on_draft_ids": kl}
+
+
+def measure(target: str, draft: str, modes: list[str], windows: int, window: int, prompts: list[str], new_tokens: int) -> dict[str, Any]:
+    limits = EngineLimits(compile="off", max_batch_rows=2, max_cache_len=max(window + 1, 512))
+    drafter = Engine(CausalLM.load(draft, device="cpu", dtype="float32"), "draft", limits)
+    tokenizer = drafter.lm.tokenizer
+    assert tokenizer is not None, "the draft directory has no tokenizer"
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    texts = [bos + ids[len(bos) if ids[: len(bos)] == bos else 0 :][: window - len(bos)]
+             for ids in held_out_windows(tokenizer, windows, window)]
+    prompt_ids = [tokenizer(prompt).input_ids for prompt in prompts]
+    report: dict[str, Any] = {"target": target, "draft": draft, "held_out_windows": len(texts), "window": window,
+                              "prompts": len(prompts), "new_tokens": new_tokens, "modes": {}}
+    for mode in modes:
+        engine = Engine(CausalLM.load(target, device="cpu", dtype="float32", quantization=mode), "target", limits)
+        held, held_count = torch.zeros(4), 0
+        for ids in texts:
+            held += pair_sums(window_logits(engine, ids), window_logits(drafter, ids))
+            held_count += len(ids) - 1
+        cont, cont_count = torch.zeros(4), 0
+        for ids in prompt_ids:
+            sequence = ids + greedy(engine, ids, new_tokens)
+            scored = slice(len(ids) - 1, None)  # the positions whose next token is the continuation's
+            cont += pair_sums(window_logits(engine, sequence)[scored], window_logits(drafter, sequence)[scored])
+            cont_count += new_tokens
+        report["modes"][mode] = {"held_out": figures(held, held_count), "continuations": figures(cont, cont_count)}
+    return report
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser("draft-quality", help="a draft against its target: α, greedy agreement, KL (exact)")
+    parser.add_argument("--target", required=True, help="target model directory")
+    parser.add_argument("--draft", required=True, help="draft model directory (a trimmed-vocabulary one too)")
+    parser.add_argument("--quantize", default="none", help="comma-separated target modes: none, int8, int4")
+    parser.add_argument("--windows", type=int, default=16, help="held-out windows scored")
+    parser.add_argument("--window", type=int, default=256, help="tokens per window, its BOS included")
+    parser.add_argument("--prompts", help="the bench's --prompts (default: the bench's own)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="greedy target tokens per prompt")
+    parser.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    modes = [m.strip() for m in args.quantize.split(",") if m.strip()]
+    report = measure(args.target, args.draft, modes, args.windows, args.window, load_prompts(args.prompts), args.new_tokens)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for mode, parts in report["modes"].items():
+        for part, values in parts.items():
+            print(f"target {mode}, {part}: α {values['alpha']:.3f}, greedy agreement {values['greedy_agreement']:.3f}, "
+                  f"target mass outside the draft's ids {values['target_mass_outside_draft']:.3f}, "
+                  f"KL on the draft's ids {values['kl_on_draft_ids']:.3f}")
+    return 0
