@@ -21,6 +21,8 @@ from specwire.orchestrator.speedup import (
     time_per_token_ms,
 )
 
+from tests.tiny import save_llama
+
 REQUIRED_FIELDS = [
     "name",
     "tokens_per_s",
@@ -106,13 +108,18 @@ def bench_report(llama_target_dir: Path, llama_draft_dir: Path, llama_heads_dir:
         warmup=False,
         show_progress=False,
         medusa=str(llama_heads_dir),
+        rows=BENCH_ROWS,
     )
     return bench.run_bench(config)
 
 
+# llama.cpp needs llama-cpp-python (a long native build) and a GGUF: its row has a test of its own.
+BENCH_ROWS = tuple(name for name in bench.ROW_NAMES if name != "llamacpp")
+
+
 def test_bench_reports_every_row_and_field(bench_report: dict[str, Any]) -> None:
     rows = {row["name"]: row for row in bench_report["rows"]}
-    assert list(rows) == bench.ROW_NAMES
+    assert list(rows) == list(BENCH_ROWS)
     for row in rows.values():
         assert row["error"] is None, (row["name"], row["error"])
         for name in REQUIRED_FIELDS:
@@ -180,7 +187,7 @@ def test_bench_figures_are_consistent(bench_report: dict[str, Any]) -> None:
 def test_bench_markdown_and_cli_output(bench_report: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     table = bench.markdown_table(bench_report)
-    assert all(f"| {name} |" in table for name in bench.ROW_NAMES)
+    assert all(f"| {name} |" in table for name in BENCH_ROWS)
     monkeypatch.setattr(bench, "run_bench", lambda config: bench_report)
     out = tmp_path / "bench.json"
     parser = argparse.ArgumentParser()
@@ -200,7 +207,8 @@ def test_bench_rtt_flag_reaches_the_config() -> None:
 
 
 def test_bench_reports_a_failing_row_instead_of_crashing() -> None:
-    results = {"hf_target": bench.RowResult(bench.ROWS[0]), "specwire_speculative": bench.RowResult(bench.ROWS[6])}
+    specs = {row.name: row for row in bench.ROWS}
+    results = {name: bench.RowResult(specs[name]) for name in ("hf_target", "specwire_speculative")}
     results["hf_target"].samples = [[bench.Sample(token_ids=[1, 2], seconds=0.1)]]
     results["specwire_speculative"].error = "INVALID_ARGUMENT: strategy 'speculative' is not available"
     rows = {row["name"]: row for row in bench.summarize(results)}
@@ -287,3 +295,26 @@ def test_bounds_times_the_engine_and_reports_consistent_ratios(llama_target_dir:
         assert 0 < row["ratio_vs_greedy"] <= row["free_draft_ratio_vs_greedy"]
     assert [product["times_one_row"][1] for product in report["matmul"]] == [1.0] * len(bounds.MATMUL_SHAPES)
     assert "medusa" not in report
+
+
+def test_llamacpp_row_runs_the_targets_gguf(models_dir: Path, tokenizer: Any) -> None:
+    """llama.cpp on the same weights as a GGUF file: the same greedy tokens as transformers'."""
+    pytest.importorskip("llama_cpp")
+    from transformers import AutoModelForCausalLM
+
+    from tests.gguf_tiny import write_llama_gguf
+
+    source = models_dir / "llamacpp-source"
+    if not source.exists():
+        save_llama(source, tokenizer, seed=5)
+    gguf = write_llama_gguf(AutoModelForCausalLM.from_pretrained(source), tokenizer, source / "gguf" / "tiny.gguf")
+    assert bench.llamacpp.find_gguf(str(source)) == gguf
+    report = bench.run_bench(bench.BenchConfig(
+        target_model=str(source), draft_model=str(source), prompts=["def add(a, b):\n"], max_new_tokens=8,
+        repeats=1, device="cpu", dtype="float32", warmup=False, show_progress=False,
+        rows=("hf_target", "llamacpp"), target_threads=1,
+    ))
+    rows = {row["name"]: row for row in report["rows"]}
+    assert rows["llamacpp"]["error"] is None and rows["llamacpp"]["new_tokens_per_repeat"] == 8
+    assert rows["llamacpp"]["ratio_vs_hf_target"] > 0 and report["metadata"]["llamacpp_gguf"] == str(gguf)
+    assert rows["llamacpp"]["matches_hf_target"] == 1.0
