@@ -279,9 +279,10 @@ def test_bounds_times_the_engine_and_reports_consistent_ratios(llama_target_dir:
     """`specwire bounds` end to end on tiny models (eager here: the suite does not compile)."""
     args = argparse.Namespace(
         target_model=str(llama_target_dir), draft_model=str(llama_draft_dir), medusa="", medusa_prompts=1,
-        threads=1, repeats=2,
+        threads=1, repeats=2, quantize="none",
     )
     report = bounds.measure(args)
+    assert report["quantization"] == {"target": "none", "draft": "none"}
     costs = report["target"]["forward_costs_ms"]
     assert list(costs) == list(bounds.POSITIONS) and all(ms > 0 for ms in costs.values())
     assert report["target"]["greedy_ms_per_token"] > 0 and report["draft"]["greedy_ms_per_token"] > 0
