@@ -16,18 +16,23 @@ from specwire.engine import CausalLM, Engine, EngineLimits
 from specwire.metrics import ModelServiceMetrics, serve_metrics
 from specwire.model_service import SERVICE_NAME, ModelServicer
 from specwire.session import Backend
+from specwire.startup import StartupClock
 from specwire.v1 import model_pb2_grpc
 
 log = logging.getLogger("specwire")
 
-BackendFactory = Callable[[ModelServiceConfig], Backend]
+BackendFactory = Callable[[ModelServiceConfig, StartupClock], Backend]
 
 
 def load_engine(
-    config: ModelServiceConfig, default_model: str, default_name: str, default_medusa: str | None = None
+    config: ModelServiceConfig,
+    clock: StartupClock,
+    default_model: str,
+    default_name: str,
+    default_medusa: str | None = None,
 ) -> Engine:
     """The model named by `--model`, or the role's embedded demo model (with its Medusa heads,
-    when it has them and no `--medusa` says otherwise), warmed up."""
+    when it has them and no `--medusa` says otherwise), warmed up; each phase marked on `clock`."""
     hf_logging.disable_progress_bar()  # a service's log is no place for progress bars
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -40,6 +45,7 @@ def load_engine(
     medusa = config.medusa or (default_medusa if not config.model else None)
     if medusa:
         lm.attach_medusa(medusa)
+    clock.mark("load")
     limits = EngineLimits(
         max_batch_rows=config.max_batch_rows,
         max_cache_len=config.max_cache_len,
@@ -48,11 +54,15 @@ def load_engine(
         compile=config.compile,
     )
     engine = Engine(lm, role=config.role, limits=limits)
+    clock.mark("engine")
     engine.warmup()
+    clock.mark("warmup")
     return engine
 
 
-async def run(config: ModelServiceConfig, build_backend: BackendFactory) -> None:
+async def run(config: ModelServiceConfig, build_backend: BackendFactory) -> bool:
+    """Serve until signalled; whether the service got to serve (False: stopped while starting)."""
+    clock = StartupClock()
     observe = config.telemetry
     tracing = telemetry.setup_tracing(
         config.role, observe.trace_exporter, observe.trace_file, observe.trace_sample_ratio, set_global=True
@@ -66,12 +76,16 @@ async def run(config: ModelServiceConfig, build_backend: BackendFactory) -> None
     running = await serving.start_server(
         register, [SERVICE_NAME], config.host, config.port, tls=config.tls, health_port=config.health_port
     )
+    clock.mark("boot")
 
     async def ready() -> None:
-        backend = await asyncio.to_thread(build_backend, config)
+        backend = await serving.in_thread(lambda: build_backend(config, clock))
         servicer.backend = backend
+        servicer.startup = clock.times()
         info = backend.info()
         log.info("%s: %s on %s (%s), vocab %d", config.role, info.model_name, info.device, info.dtype, info.vocab_size)
+        # At WARNING, so that it is in every log: how long a restart of this service takes.
+        log.warning("%s: SERVING %s after its process started", config.role, servicer.startup.describe())
         if metrics is not None:
             metrics.describe(config.role, info.model_name, info.device, info.dtype)
             cache = getattr(backend, "cache", None)
@@ -80,9 +94,20 @@ async def run(config: ModelServiceConfig, build_backend: BackendFactory) -> None
 
     metrics_server = serve_metrics(metrics.registry, config.host, observe.metrics_port) if metrics else None
     try:
-        await serving.serve_until_signalled(running, [SERVICE_NAME], ready, config.role, config.host, config.grace_s)
+        return await serving.serve_until_signalled(
+            running, [SERVICE_NAME], ready, config.role, config.host, config.grace_s
+        )
     finally:
         if metrics_server is not None:
             metrics_server.shutdown()
         if tracing is not None:
             tracing.shutdown()
+
+
+def main(config: ModelServiceConfig, build_backend: BackendFactory) -> None:
+    """`specwire serve draft|target`: serve, then exit."""
+    if not asyncio.run(run(config, build_backend)):
+        # Stopped while loading or compiling: that thread cannot be interrupted, and the
+        # interpreter's exit would wait for it (and for torch's compile workers). Everything of
+        # ours is closed and flushed by now.
+        serving.exit_now()

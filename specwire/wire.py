@@ -28,6 +28,7 @@ from specwire.session import (
     Verification,
 )
 from specwire.slot_cache import CacheUsage
+from specwire.startup import StartupTimes
 from specwire.v1 import common_pb2, model_pb2
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -326,6 +327,11 @@ def info_to_pb(info: ModelInfo) -> model_pb2.ModelInfo:
         forward_costs=[model_pb2.ForwardCost(positions=n, ms=ms) for n, ms in info.forward_costs],
         decode_ms_per_token=info.decode_ms_per_token,
     )
+
+
+def startup_to_pb(times: StartupTimes) -> common_pb2.StartupTimes:
+    phases = [common_pb2.StartupPhase(name=name, seconds=seconds) for name, seconds in times.phases]
+    return common_pb2.StartupTimes(serving_s=times.serving_s, phases=phases)
 
 
 def cache_to_pb(usage: CacheUsage) -> model_pb2.CacheInfo:
