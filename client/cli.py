@@ -1,4 +1,4 @@
-"""The `specwire` command line: serve, up, generate, demo, trace, bench, experiment, distill."""
+"""The `specwire` command line: serve, up, generate, demo, trace, bench, experiment, startup-time, distill."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specwire.bench import bench, bounds, experiment, soak
+from specwire.bench import bench, bounds, experiment, soak, startup
 from specwire.bench.entropix_plot import STATE_COLOURS, plot_decisions
 from specwire.client.sdk import Client, GenerateResult, GenerationError, enum_names, stats_as_dict
 from specwire.draft_service import distill
@@ -201,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.add_parser(commands)
     soak.add_parser(commands)
     bounds.add_parser(commands)
+    startup.add_parser(commands)
     distill.add_parser(commands)
     train_medusa.add_parser(commands)
     return parser
@@ -552,7 +553,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "distill": distill.run, "train-medusa": train_medusa.main}
+COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "startup-time": startup.run, "distill": distill.run, "train-medusa": train_medusa.main}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -238,3 +238,4 @@ async def run(config: OrchestratorConfig) -> None:
 
 def main(config: OrchestratorConfig) -> None:
     asyncio.run(run(config))
+    serving.exit_now(0)  # drained and flushed: no interpreter teardown (see model_server.main)

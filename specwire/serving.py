@@ -222,11 +222,11 @@ async def serve_until_signalled(
     host: str,
     grace: float = 10.0,
     on_serving: Callable[[], None] | None = None,
-) -> bool:
+) -> None:
     """Run `ready` (load + warm up), report SERVING, and serve until SIGTERM/SIGINT; then drain:
     new calls are refused and running ones get `grace` seconds. A signal is honoured at any
-    moment: while `ready` runs, the service stops at once (nothing was served) and this returns
-    False; a second signal while draining cuts the grace short.
+    moment: while `ready` runs, the service stops at once (nothing was served; `ready` is left
+    to itself, see `in_thread`); a second signal while draining cuts the grace short.
     `on_serving` runs once SERVING is set (the orchestrator makes its health follow the services')."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -237,7 +237,7 @@ async def serve_until_signalled(
         starting.cancel()
         log.warning("%s stopped while starting", label)
         await drain(running, 0)
-        return False
+        return
     starting.result()  # a failed start raises here
     await mark_serving(running, service_names)
     if on_serving is not None:
@@ -252,7 +252,6 @@ async def serve_until_signalled(
         log.warning("%s: a second signal, stopping now", label)
         await drain(running, 0)
         await draining
-    return True
 
 
 def exit_now(code: int = 0) -> NoReturn:

@@ -4,6 +4,7 @@ importing, loading, compiling, serving and draining), and no child of `specwire 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -272,3 +273,33 @@ def test_no_child_of_bench_outlives_bench(
     children = descendants(bench.popen.pid)
     assert bench.exit_s_after(sig) < STOP_WITHIN_S
     assert not survivors_after(children, STOP_WITHIN_S)
+
+
+# -- time to SERVING ------------------------------------------------------------------------------
+
+
+def test_startup_time_measures_start_restart_and_drain(
+    llama_target_dir: Path, llama_draft_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "startup.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "specwire", "startup-time", "--target-model", str(llama_target_dir),
+         "--draft-model", str(llama_draft_dir), "--device", "cpu", "--compile", "off", "--grace", "1",
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    run = report["runs"][0]
+    for start in ("cold", "warm"):
+        services = run[start]["services"]
+        assert list(services["target"]["phases"]) == ["boot", "load", "engine", "warmup"]
+        assert list(services["orchestrator"]["phases"]) == ["boot", "connect"]
+        # The launcher waits for target and draft, then starts the orchestrator.
+        slowest = max(services["target"]["serving_s"], services["draft"]["serving_s"])
+        assert run[start]["stack_s"] > slowest + services["orchestrator"]["serving_s"] - 0.5
+    assert run["restart"]["restart_s"] > 1.0 + run["restart"]["service"]["serving_s"] - 0.5  # after the 1 s back-off
+    drain = run["drain"]
+    assert 1.0 <= drain["target_holding_a_session_s"] < 1.0 + 3  # it waited for the session, the grace
+    assert drain["draft_idle_s"] < STOP_WITHIN_S and drain["orchestrator_idle_s"] < STOP_WITHIN_S
+    assert set(report["median"]) >= {"cold_stack_s", "warm_stack_s", "restart_s"}
