@@ -194,8 +194,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         runs.append({"repeat": repeat, "cold": cold, "warm": warm, "restart": restart, "drain": drain})
     return {
         "schema": SCHEMA,
-        "config": {"target_model": target, "draft_model": draft, "device": args.device, "compile": args.compile or "default",
-                   "grace_s": args.grace, "repeats": args.repeats},
+        "config": {"target_model": args.target_model or "demo", "draft_model": args.draft_model or "demo",
+                   "device": args.device, "compile": args.compile or "default", "grace_s": args.grace,
+                   "repeats": args.repeats},
         "machine": info | {"loadavg_end": list(os.getloadavg())},
         "median": medians(runs, args.grace),
         "runs": runs,

@@ -3,6 +3,7 @@ services' addresses, ports and probes agree with each other and with the CLI."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -182,10 +183,20 @@ def test_compose_tls_overlay_gives_every_hop_mutual_tls_from_mounted_files() -> 
         assert all(files) and all(any(f == m or f.startswith(m + "/") for m in mounts) for f in files), (name, files)
 
 
-def measured_figures() -> dict[str, float]:
-    """The figures docs/operations.md states, by name: its table rows "| `name` | seconds | …"."""
-    rows = re.findall(r"^\| `(\w+)` \| ([0-9.]+) \|", OPERATIONS.read_text(), flags=re.MULTILINE)
-    return {name: float(seconds) for name, seconds in rows}
+def measured_figures(column: int = 0) -> dict[str, float]:
+    """The figures docs/operations.md states, by name, from its table rows
+    "| `name` | compiled | eager | …" (column 0: compiled, the default; 1: eager)."""
+    rows = re.findall(r"^\| `(\w+)` \| ([0-9.]+) \| ([0-9.]+) \|", OPERATIONS.read_text(), flags=re.MULTILINE)
+    return {row[0]: float(row[1 + column]) for row in rows}
+
+
+@pytest.mark.parametrize(("column", "report"), [(0, "startup-demo-cpu.json"), (1, "startup-demo-cpu-eager.json")])
+def test_the_operations_figures_are_the_measurements(column: int, report: str) -> None:
+    """The table is `specwire startup-time`'s JSON report, rounded: it cannot drift from it."""
+    medians = json.loads((OPERATIONS.parent / "measurements" / report).read_text())["median"]
+    figures = measured_figures(column)
+    assert len(figures) >= 10
+    assert figures == {name: round(medians[name], 1) for name in figures}
 
 
 def probe_budget_s(probe: dict[str, Any]) -> float:

@@ -171,6 +171,15 @@ def test_sigterm_while_starting_stops_the_service_within_5_s(
     assert not survivors_after(below, STOP_WITHIN_S)
 
 
+def test_sigterm_while_the_orchestrator_waits_for_its_services_ends_it_at_once(processes: list[Process]) -> None:
+    port = free_base_port(2)  # nothing listens on port + 1
+    orchestrator = Process("-v", "serve", "orchestrator", "--port", str(port), "--target", f"127.0.0.1:{port + 1}",
+                           "--draft", "none")
+    processes.append(orchestrator)
+    orchestrator.wait_for_line("target replica")  # it is connecting, for up to 60 s
+    assert orchestrator.exit_s_after(signal.SIGTERM) < STOP_WITHIN_S
+
+
 @pytest.fixture
 def served_target(processes: list[Process], llama_target_dir: Path) -> tuple[Process, str]:
     service = serve(processes, "target", llama_target_dir, "--port", "0")
