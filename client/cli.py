@@ -553,6 +553,8 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
+# The commands that start services as children (`specwire.client.launcher.Stack`).
+STACK_COMMANDS = {"up", "demo", "bench", "experiment", "soak", "startup-time"}
 COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "startup-time": startup.run, "distill": distill.run, "train-medusa": train_medusa.main}
 
 
@@ -563,9 +565,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    if args.command != "serve":
-        # SIGTERM ends a command as Ctrl-C does, so the stacks it started stop on the way out.
-        # A service handles it on its event loop.
+    if args.command in STACK_COMMANDS:
+        # SIGTERM ends the command as Ctrl-C does, so the stacks it started stop on the way out.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return COMMANDS[args.command](args)
@@ -576,6 +577,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        # Ctrl-C or SIGTERM: what ran in this thread has cleaned up on the way here; a stack still
-        # starting on another thread is not waited for (its children stop with this process).
-        exit_now(130)
+        if args.command in STACK_COMMANDS:
+            # What ran in this thread has cleaned up on the way here; a stack still starting on
+            # another thread is not waited for (its children stop with this process).
+            exit_now(130)
+        return 130
