@@ -792,10 +792,14 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     stacks: dict[str, Stack] = {}
     clients: dict[str, Any] = {}
     try:
-        with ThreadPoolExecutor(max_workers=1) as pool:
+        # Not `with`: Ctrl-C / SIGTERM while the stacks start must not wait for them to be up.
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
             starting = pool.submit(_start_stacks, config, set(config.rows), log_dir)
             hf = HfRunner(config.target_model, config.draft_model, config.device, config.dtype)
             stacks, stack_errors = starting.result()
+        finally:
+            pool.shutdown(wait=False)
         for name, stack in stacks.items():
             clients[name] = Client(stack.config.address, timeout=600)
         target_info = wait_compiled(stacks["model"]) if "model" in stacks else None

@@ -29,13 +29,13 @@ Bounds, each a best case (no message, no token choice, no orchestrator):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from specwire.bench.report import emit
 from specwire.orchestrator.speedup import expected_tokens_per_round, forward_cost_at
 from specwire.target_service.tune_medusa_tree import measure as tune
 
@@ -163,11 +163,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     report = measure(args)
-    document = json.dumps(report, indent=2)
-    if args.out:
-        Path(args.out).write_text(document + "\n")
-    if args.json:
-        print(document)
+    if emit(report, args.out, args.json):
         return 0
     target, batching = report["target"], report["batching"]
     print(f"greedy: {target['greedy_ms_per_token']:.3f} ms a token; draft {report['draft']['greedy_ms_per_token']:.3f}")

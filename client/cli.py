@@ -1,4 +1,4 @@
-"""The `specwire` command line: serve, up, generate, demo, trace, bench, experiment, distill."""
+"""The `specwire` command line: serve, up, generate, demo, trace, bench, experiment, startup-time, distill."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specwire.bench import bench, bounds, experiment, quality, soak
+from specwire.bench import bench, bounds, experiment, quality, soak, startup
 from specwire.bench.entropix_plot import STATE_COLOURS, plot_decisions
 from specwire.client.sdk import Client, GenerateResult, GenerationError, enum_names, stats_as_dict
 from specwire.draft_service import distill
@@ -21,9 +21,10 @@ from specwire.target_service import train_medusa
 from specwire.v1 import orchestrator_pb2
 
 from specwire import __version__, model_zoo
-from specwire.config import OrchestratorConfig, compile_default
+from specwire.config import ModelServiceConfig, OrchestratorConfig, compile_default
 from specwire.engine import quantize
 from specwire.extras import require
+from specwire.serving import exit_now
 
 # Generation flags: (flag, type, help). The SDK keyword is the flag with underscores.
 GENERATION_FLAGS: list[tuple[str, Any, str]] = [
@@ -79,6 +80,7 @@ def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: i
         parser.add_argument("--ngram-max", type=int, default=3, help="n-gram drafter: longest n-gram to match")
         parser.add_argument("--ngram-min", type=int, default=1, help="n-gram drafter: shortest n-gram to match")
     _add_server_tls_flags(parser)
+    _add_drain_flag(parser)
     _add_telemetry_flags(parser)
 
 
@@ -87,6 +89,13 @@ def _add_quantize_flag(parser: argparse.ArgumentParser, flag: str = "--quantize"
         flag, default="auto", choices=list(quantize.MODES),
         help=f"{whom}'s linear weights: int8 / int4 on CPU; auto = what measured fastest here "
         "(int8 for a model too large for the CPU's caches, else none; none on CUDA)",
+    )
+
+
+def _add_drain_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--grace", type=float, default=ModelServiceConfig.grace_s,
+        help="on SIGTERM: seconds running calls get to finish before the service exits (a second signal: none)",
     )
 
 
@@ -149,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     orch.add_argument("--auth-token-file", help="accept only calls with `authorization: Bearer <a line of FILE>`")
     _add_server_tls_flags(orch)
+    _add_drain_flag(orch)
     _add_client_tls_flags(orch, "services-", "the model services")
     orch.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the target's)")
     orch.add_argument("--host", default="127.0.0.1")
@@ -208,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.add_parser(commands)
     soak.add_parser(commands)
     bounds.add_parser(commands)
+    startup.add_parser(commands)
     distill.add_parser(commands)
     train_medusa.add_parser(commands)
     model_zoo.add_parser(commands)
@@ -420,41 +431,35 @@ def cmd_up(args: argparse.Namespace) -> int:
     from specwire.client.launcher import Stack
 
     stack = Stack(_stack_config(args))
-    stopping = {"signal": False}
-
-    def on_signal(signum: int, frame: object) -> None:
-        stopping["signal"] = True
-
     if args.http_port:  # refused before anything starts
         require("uvicorn", "http", "specwire up --http-port")
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    stack.start()
-    c = stack.config
-    print(f"orchestrator  {c.address}")
-    print(f"draft         {c.host}:{c.draft_port}")
-    print(f"target        {', '.join(f'{c.host}:{port}' for port in c.target_ports)}")
-    if c.tls_dir:
-        print(f"mutual TLS    between the services; CA and certificates in {c.tls_dir}")
-    if c.http_port:
-        print(f"openai http   http://{c.host}:{c.http_port}/v1")
-    if c.auth_token_file:
-        print(f"auth          bearer tokens from {c.auth_token_file} (specwire generate --token-file FILE)")
-    if c.proxied:
-        print(f"delay proxies draft {c.host}:{c.draft_proxy_port}, target {c.host}:{c.target_proxy_port} "
-              f"(RTT {c.rtt_ms:g} ms ± {c.jitter_ms:g}, {c.bandwidth_mbps or '∞'} Mbit/s)")
-    if args.trace_dir:
-        print(f"traces        {Path(args.trace_dir).resolve()}/{{orchestrator,draft,target}}.jsonl")
-    if args.metrics_port:
-        print(f"metrics       http://{c.host}:{args.metrics_port}/metrics (draft +1, target +2)")
-    print(f"Ctrl-C stops all {'four' if c.http_port else 'three'}; a child that exits is restarted.", flush=True)
     try:
-        while not stopping["signal"]:
+        stack.start()
+        c = stack.config
+        print(f"orchestrator  {c.address}")
+        print(f"draft         {c.host}:{c.draft_port}")
+        print(f"target        {', '.join(f'{c.host}:{port}' for port in c.target_ports)}")
+        if c.tls_dir:
+            print(f"mutual TLS    between the services; CA and certificates in {c.tls_dir}")
+        if c.http_port:
+            print(f"openai http   http://{c.host}:{c.http_port}/v1")
+        if c.auth_token_file:
+            print(f"auth          bearer tokens from {c.auth_token_file} (specwire generate --token-file FILE)")
+        if c.proxied:
+            print(f"delay proxies draft {c.host}:{c.draft_proxy_port}, target {c.host}:{c.target_proxy_port} "
+                  f"(RTT {c.rtt_ms:g} ms ± {c.jitter_ms:g}, {c.bandwidth_mbps or '∞'} Mbit/s)")
+        if args.trace_dir:
+            print(f"traces        {Path(args.trace_dir).resolve()}/{{orchestrator,draft,target}}.jsonl")
+        if args.metrics_port:
+            print(f"metrics       http://{c.host}:{args.metrics_port}/metrics (draft +1, target +2)")
+        print(f"Ctrl-C stops all {'four' if c.http_port else 'three'}; a child that exits is restarted.", flush=True)
+        while True:
             stack.supervise()
             time.sleep(0.2)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM, while starting too
+        return 0
     finally:
         stack.stop()
-    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -496,12 +501,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from specwire.config import ModelServiceConfig, OrchestratorConfig
     from specwire.security import client_tls, server_tls
 
     if args.role == "http":
         return serve_http(args)
     tls = server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+    if not 0 <= args.grace < float("inf"):
+        raise SystemExit(f"--grace must be a finite number of seconds ≥ 0, got {args.grace}")
 
     if args.role == "orchestrator":
         from specwire.orchestrator.server import main as serve_orchestrator
@@ -521,6 +527,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 services_tls=client_tls(args.services_tls_ca, args.services_tls_cert, args.services_tls_key),
                 auth_token_file=args.auth_token_file,
                 health_port=args.health_port,
+                grace_s=args.grace,
             )
         )
         return 0
@@ -547,6 +554,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         telemetry=_telemetry_config(args),
         tls=tls,
         health_port=args.health_port,
+        grace_s=args.grace,
     )
     if args.role == "draft":
         from specwire.draft_service.server import main as serve_draft
@@ -619,7 +627,9 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "distill": distill.run, "train-medusa": train_medusa.main, "models": model_zoo.run, "quality": quality.run}
+# The commands that start services as children (`specwire.client.launcher.Stack`).
+STACK_COMMANDS = {"up", "demo", "bench", "experiment", "soak", "startup-time"}
+COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "startup-time": startup.run, "distill": distill.run, "train-medusa": train_medusa.main, "models": model_zoo.run, "quality": quality.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -629,6 +639,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    if args.command in STACK_COMMANDS:
+        # SIGTERM ends the command as Ctrl-C does, so the stacks it started stop on the way out.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return COMMANDS[args.command](args)
     except GenerationError as error:
@@ -638,4 +651,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if args.command in STACK_COMMANDS:
+            # What ran in this thread has cleaned up on the way here; a stack still starting on
+            # another thread is not waited for (its children stop with this process).
+            exit_now(130)
         return 130

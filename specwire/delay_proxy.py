@@ -31,6 +31,8 @@ import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from specwire.lifeline import watch_parent
+
 CHUNK_BYTES = 64 * 1024
 # Chunks read but not yet written, per direction of a connection, before reading pauses.
 MAX_QUEUED_CHUNKS = 1024
@@ -244,6 +246,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    watch_parent()  # started by `specwire up` / `bench`: stop when it dies
     try:
         LinkConfig(args.delay_ms, args.jitter_ms, args.bandwidth_mbps)
         split_address(args.listen)
