@@ -7,12 +7,15 @@ import argparse
 import csv
 import json
 import math
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from specwire.bench import bench, bounds, experiment
+from specwire.bench import bench, bounds, experiment, report
 from specwire.bench.bounds import medusa_bounds, speculative_bound
+from specwire.client.cli import build_parser
+from specwire.client.cli import main as specwire_main
 from specwire.orchestrator.speedup import (
     alpha_estimate,
     best_gamma,
@@ -21,6 +24,7 @@ from specwire.orchestrator.speedup import (
     time_per_token_ms,
 )
 
+ROOT = Path(__file__).resolve().parent.parent
 REQUIRED_FIELDS = [
     "name",
     "tokens_per_s",
@@ -165,7 +169,7 @@ def test_bench_figures_are_consistent(bench_report: dict[str, Any]) -> None:
 
 def test_bench_markdown_and_cli_output(bench_report: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                        capsys: pytest.CaptureFixture[str]) -> None:
-    table = bench.markdown_table(bench_report)
+    table = report.render(bench_report)
     assert all(f"| {name} |" in table for name in bench.ROW_NAMES)
     monkeypatch.setattr(bench, "run_bench", lambda config: bench_report)
     out = tmp_path / "bench.json"
@@ -175,6 +179,92 @@ def test_bench_markdown_and_cli_output(bench_report: dict[str, Any], tmp_path: P
     assert bench.run(args) == 0
     assert json.loads(out.read_text())["rows"][0]["name"] == "hf_target"
     assert "| hf_target |" in capsys.readouterr().out
+    assert specwire_main(["report", str(out), "--headline"]) == 0
+    assert "| specwire_speculative |" in capsys.readouterr().out
+
+
+def test_bench_records_its_command_date_and_machine(bench_report: dict[str, Any]) -> None:
+    meta = bench_report["metadata"]
+    assert datetime.fromisoformat(meta["date"]).tzinfo is not None
+    assert meta["machine"]["description"].startswith(f"{meta['machine']['cpu_count']} CPUs (")
+    parser = build_parser()
+    args = parser.parse_args(["bench", "--repeats", "2"])
+    assert args.command_line is None  # set by `specwire`'s main from its argv, as typed
+    assert "log_dir" not in meta  # a temporary folder of the machine that ran it: printed, not recorded
+
+
+# The tables' headers and the JSON fields they show, written out here independently of the renderer.
+ROW_COLUMNS = {
+    "× HF target": "ratio_vs_hf_target", "× best HF assisted": "ratio_vs_hf_assisted", "acceptance": "acceptance_rate",
+    "α": "alpha", "tok/target fwd": "tokens_per_target_forward", "c": "cost_ratio_c", "predicted": "predicted_speedup",
+    "efficiency": "efficiency", "bytes/round": "bytes_per_round", "overhead ms/round": "overhead_ms_per_round",
+    "= HF target": "matches_hf_target",
+}
+STREAM_COLUMNS = {
+    "aggregate tok/s": "aggregate_tokens_per_s", "× one stream": "ratio_vs_one_stream", "p50 ms/token": "p50_token_ms",
+    "p99 ms/token": "p99_token_ms", "p50 × one stream": "p50_ratio_vs_one_stream", "= solo": "matches_solo",
+}
+
+
+def markdown_tables(text: str) -> list[list[dict[str, str]]]:
+    """Each Markdown table of `text` as a list of {header: cell} rows."""
+    tables, block = [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            block.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif block:
+            tables.append([dict(zip(block[0], cells, strict=True)) for cells in block[2:]])
+            block = []
+    return tables
+
+
+def assert_cell_shows(cell: str, value: float | None) -> None:
+    """The cell is the value rounded to the decimals it shows, or `–` where there is none."""
+    if value is None:
+        assert cell == "–"
+        return
+    decimals = len(cell.partition(".")[2])
+    assert abs(float(cell) - value) <= 0.5 * 10**-decimals + 1e-9, (cell, value)
+
+
+def assert_tables_agree(rendered: str, data: dict[str, Any], headline: bool) -> None:
+    tables = markdown_tables(rendered)
+    rows = {row["name"]: row for row in data["rows"]}
+    shown = tables[0]
+    if headline:
+        assert [cells["row"] for cells in shown] == [name for name in rows if name in report.HEADLINE_ROWS]
+    else:
+        assert [cells["row"] for cells in shown] == list(rows)
+    for cells in shown:
+        row = rows[cells["row"]]
+        median, spread = cells["tok/s median [min–max]"].split(" ", 1)
+        low, high = spread.strip("[]").split("–")
+        for text, key in ((median, "tokens_per_s"), (low, "tokens_per_s_min"), (high, "tokens_per_s_max")):
+            assert_cell_shows(text, row[key])
+        for header, key in ROW_COLUMNS.items():
+            if header in cells:
+                assert_cell_shows(cells[header], row[key])
+            else:
+                assert headline
+        if headline:
+            assert cells["what it runs"] == row["description"]
+    if data.get("concurrency") and not headline:
+        for cells, entry in zip(tables[1], data["concurrency"], strict=True):
+            assert (cells["strategy"], int(cells["streams"])) == (entry["strategy"], entry["streams"])
+            for header, key in STREAM_COLUMNS.items():
+                assert_cell_shows(cells[header], entry[key])
+    meta = data["metadata"]
+    assert rendered.startswith(f"Measured {meta['date'][:10]} on {meta['machine']['description']}")
+    recorded = f"with `{meta['command']}`" if meta["command"] else "with a command not recorded"
+    assert recorded in rendered.splitlines()[0]
+
+
+@pytest.mark.parametrize("headline", [False, True], ids=["full", "headline"])
+def test_report_tables_agree_with_the_json(bench_report: dict[str, Any], headline: bool) -> None:
+    assert_tables_agree(report.render(bench_report, headline), bench_report, headline)
+    for path in sorted((ROOT / "docs" / "bench").glob("*.json")):  # the reports the documentation shows
+        data = report.load(path)
+        assert_tables_agree(report.render(data, headline), data, headline)
 
 
 def test_bench_rtt_flag_reaches_the_config() -> None:
