@@ -80,8 +80,9 @@ def provenance(meta: dict[str, Any]) -> str:
     load_text += f", {end[0]:.1f} at the end" if start and end else ""
     date = meta.get("date")
     command = meta.get("command")
+    threads = machine.get("omp_num_threads_env")  # inherited by every process of the run: it moves figures
     when = date[:10] if date else "(date not recorded)"
-    how = f"`{command}`" if command else "a command not recorded"
+    how = f"`{f'OMP_NUM_THREADS={threads} ' if threads else ''}{command}`" if command else "a command not recorded"
     return f"Measured {when} on {description}{load_text}, with {how}."
 
 
@@ -171,7 +172,7 @@ def bounds_tables(report: dict[str, Any]) -> str:
         ),
         "",
         *_table(
-            ["α", "best ratio to greedy", "its γ", "with a free draft", "its γ"],
+            ["α", "best ratio to greedy", "at γ", "with a free draft", "the free draft at γ"],
             [[fmt(row["alpha"]), fmt(row["ratio_vs_greedy"]), str(row["best_gamma"]),
               fmt(row["free_draft_ratio_vs_greedy"]), str(row["free_draft_best_gamma"])] for row in report["speculative"]],
         ),

@@ -255,7 +255,9 @@ def assert_tables_agree(rendered: str, data: dict[str, Any], headline: bool) -> 
                 assert_cell_shows(cells[header], entry[key])
     meta = data["metadata"]
     assert rendered.startswith(f"Measured {meta['date'][:10]} on {meta['machine']['description']}")
-    recorded = f"with `{meta['command']}`" if meta["command"] else "with a command not recorded"
+    threads = meta["machine"]["omp_num_threads_env"]
+    environment = f"OMP_NUM_THREADS={threads} " if threads else ""
+    recorded = f"with `{environment}{meta['command']}`" if meta["command"] else "with a command not recorded"
     assert recorded in rendered.splitlines()[0]
 
 
@@ -349,17 +351,44 @@ def test_bounds_times_the_engine_and_reports_consistent_ratios(llama_target_dir:
         target_model=str(llama_target_dir), draft_model=str(llama_draft_dir), medusa="", medusa_prompts=1,
         threads=1, repeats=2,
     )
-    report = bounds.measure(args)
-    costs = report["target"]["forward_costs_ms"]
+    measured = bounds.measure(args)
+    costs = measured["target"]["forward_costs_ms"]
     assert list(costs) == list(bounds.POSITIONS) and all(ms > 0 for ms in costs.values())
-    assert report["target"]["greedy_ms_per_token"] > 0 and report["draft"]["greedy_ms_per_token"] > 0
-    batching = report["batching"]
+    assert measured["target"]["greedy_ms_per_token"] > 0 and measured["draft"]["greedy_ms_per_token"] > 0
+    batching = measured["batching"]
     assert batching["fused_step_ms_1_row"] is None  # no compiled fused steps when eager
     assert batching["streams_8_vs_1_at_most"] == pytest.approx(
         8 * batching["step_ms_1_row"] / batching["step_ms_8_rows"]
     )
     assert batching["p50_latency_8_vs_1_at_least"] == pytest.approx(8 / batching["streams_8_vs_1_at_most"])
-    for row in report["speculative"]:  # a free draft can only do better
+    for row in measured["speculative"]:  # a free draft can only do better
         assert 0 < row["ratio_vs_greedy"] <= row["free_draft_ratio_vs_greedy"]
-    assert [product["times_one_row"][1] for product in report["matmul"]] == [1.0] * len(bounds.MATMUL_SHAPES)
-    assert "medusa" not in report
+    assert [product["times_one_row"][1] for product in measured["matmul"]] == [1.0] * len(bounds.MATMUL_SHAPES)
+    assert "medusa" not in measured
+    assert_bounds_tables_agree(json.loads(json.dumps(measured)))  # as `specwire bounds --out` writes it
+
+
+def assert_bounds_tables_agree(data: dict[str, Any]) -> None:
+    forward, step, speculative, matmul = markdown_tables(report.render_any(data))
+    shown = forward[0]
+    assert shown["new positions n"] == "target forward, ms"
+    for n, ms in data["target"]["forward_costs_ms"].items():
+        if int(n) in report.BOUNDS_POSITIONS:
+            assert_cell_shows(shown[n], ms)
+        else:
+            assert n not in shown
+    batching = data["batching"]
+    for header, key in (("1 row", "step_ms_1_row"), ("8 rows", "step_ms_8_rows"),
+                        ("8 streams ÷ one, at most", "streams_8_vs_1_at_most"),
+                        ("8 streams' p50 ÷ one stream's, at least", "p50_latency_8_vs_1_at_least")):
+        assert_cell_shows(step[0][header], batching[key])
+    for cells, row in zip(speculative, data["speculative"], strict=True):
+        assert_cell_shows(cells["α"], row["alpha"])
+        assert_cell_shows(cells["best ratio to greedy"], row["ratio_vs_greedy"])
+        assert_cell_shows(cells["with a free draft"], row["free_draft_ratio_vs_greedy"])
+        assert (int(cells["at γ"]), int(cells["the free draft at γ"])) == (row["best_gamma"], row["free_draft_best_gamma"])
+    for cells, product in zip(matmul, data["matmul"], strict=True):
+        assert cells["matrix product, weight"].startswith(f"{product['shape'][0]} × {product['shape'][1]} ")
+        for rows, ratio in product["times_one_row"].items():
+            if rows != "1":
+                assert_cell_shows(cells[f"{rows} rows"], ratio)
