@@ -27,7 +27,7 @@ test: install
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/mypy specwire orchestrator client draft_service target_service bench
+	$(BIN)/mypy specwire orchestrator client draft_service target_service bench openai_http
 	$(BUF) lint
 
 protos: install

@@ -12,6 +12,8 @@ in a freshly shuffled order, so drifting machine load spreads over all of them):
                                    schedule's state is reset before every call so calls are comparable;
       `hf_assisted_constant`       "constant" γ tokens, confidence threshold off (Leviathan et al.);
       `hf_prompt_lookup`           `prompt_lookup_num_tokens` = γ (n-gram matching, size ≤ 2);
+      `llamacpp`                   llama.cpp greedy on the GGUF the target was prepared from, in-process
+                                   (`specwire.bench.llamacpp`; where llama-cpp-python is installed);
   (c) `specwire_greedy`            target-only greedy through the orchestrator over gRPC;
   (d) `specwire_speculative`       speculative with the draft model over gRPC, the defaults: auto γ
                                    (with target-only rounds when speculation is predicted slower)
@@ -36,8 +38,19 @@ in a freshly shuffled order, so drifting machine load spreads over all of them):
       `specwire_medusa_typical`    the same, sampled at T = 0.7 (seeded) with typical acceptance (LOSSY).
       The sampled Medusa rows do not decode greedily: they are not compared with (a)'s tokens, and
       their speed-up is over the greedy row (c), which costs what target-only sampling costs.
+  (g) `specwire_beam`              beam search, `--num-beams` k, length_penalty 0, over gRPC;
+      `specwire_best_first_beam`   best-first beam search at the same k (the same result; fewer
+                                   target rows). These two rows honour end-of-sequence, as beam search
+                                   is used: best-first saves where a finished hypothesis is certain
+                                   early, and with eos ignored every hypothesis ends at max_new_tokens.
+                                   They are compared with each other, not with (a): `matches_beam`
+                                   (tokens equal to `specwire_beam`'s, per (repeat, prompt)),
+                                   `expansions_per_generation` (target rows scored),
+                                   `expansions_ratio_vs_beam` (all rows scored ÷ beam's) and
+                                   `wall_ratio_vs_beam` (median over repeats of the prompts' summed
+                                   wall time ÷ beam's in the same repeat).
 
-Every row decodes greedily and ignores end-of-sequence (transformers: `eos_token_id=None`;
+Every row but (g) decodes greedily and ignores end-of-sequence (transformers: `eos_token_id=None`;
 specwire: `ignore_eos`), so every row generates exactly `max_new_tokens` tokens per prompt, and
 `matches_hf_target` records the share of (repeat, prompt) pairs whose tokens equal row (a)'s.
 With `--concurrency 1,2,4,8`, the report also has a top-level `concurrency` list: for each
@@ -54,8 +67,9 @@ loopback (`--rtt-ms R`: through the delay proxy, R ms round trip to each service
 measured by the client around each `Generate` call.
 
 Derived figures (null where they do not apply):
-  ratio_vs_hf_target / ratio_vs_hf_assisted: the median over repeats of this row's tokens/s over
-    row (a)'s / the best (b) row's (best median tokens/s) in the same repeat (paired ratios);
+  ratio_vs_hf_target / ratio_vs_hf_assisted / ratio_vs_llamacpp: the median over repeats of this
+    row's tokens/s over row (a)'s / the best (b) row's (best median tokens/s) / the `llamacpp`
+    row's in the same repeat (paired ratios);
   acceptance_rate: accepted / drafted tokens; alpha: accepted / (accepted + rejections), the
     per-token acceptance probability of the i.i.d. model (`specwire.orchestrator.speedup.alpha_estimate`);
   cost_ratio_c: (draft compute per drafted token) / (target compute per target forward) — the
@@ -87,11 +101,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from specwire.bench import llamacpp
 from specwire.bench.report import render
 from specwire.client.launcher import Stack, StackConfig, free_base_port
 from specwire.orchestrator.speedup import alpha_estimate, predicted_speedup
 
 from specwire.demo import demo_draft_dir, demo_medusa_dir, demo_target_dir
+from specwire.session import ModelInfo
 
 SCHEMA = "specwire.bench/1"
 
@@ -118,6 +134,7 @@ ROWS = [
     RowSpec("hf_assisted_heuristic", "hf_assisted", "transformers assisted, heuristic schedule from γ"),
     RowSpec("hf_assisted_constant", "hf_assisted", "transformers assisted, constant γ"),
     RowSpec("hf_prompt_lookup", "hf_assisted", "transformers prompt lookup, γ tokens"),
+    RowSpec("llamacpp", "llamacpp", "llama.cpp greedy on the target's GGUF, the target's threads"),
     RowSpec("specwire_greedy", "specwire", "specwire greedy, target only, gRPC"),
     RowSpec("specwire_speculative", "specwire", "specwire speculative, draft model, auto γ, pipelined, gRPC"),
     RowSpec("specwire_speculative_sequential", "specwire", "specwire speculative, draft model, fixed γ, sequential"),
@@ -129,12 +146,17 @@ ROWS = [
     RowSpec("specwire_medusa", "specwire", "specwire Medusa, target's heads, greedy, gRPC"),
     RowSpec("specwire_medusa_lossless", "specwire_medusa_sampled", "specwire Medusa, T=0.7, lossless tree acceptance, gRPC"),
     RowSpec("specwire_medusa_typical", "specwire_medusa_sampled", "specwire Medusa, T=0.7, typical acceptance (lossy), gRPC"),
+    RowSpec("specwire_beam", "specwire_beam", "specwire beam search, k beams, length_penalty 0, eos honoured, gRPC"),
+    RowSpec("specwire_best_first_beam", "specwire_beam", "specwire best-first beam search, same k, eos honoured, gRPC"),
 ]
 # Row groups that sample: their tokens are not compared with greedy ones.
 SAMPLED_GROUPS = ("specwire_sampled", "specwire_medusa_sampled")
+# Beam search rows: compared with `specwire_beam`, not with greedy transformers.
+BEAM_GROUP = "specwire_beam"
 # Entropix's base warpers (the reference's defaults), for a like-for-like sampling row.
 BASE_WARPERS = {"temperature": 0.666, "top_p": 0.9, "top_k": 27}
-# How each specwire row calls `Generate` beyond strategy, prompt and length; "gamma" = `--gamma`.
+# How each specwire row calls `Generate` beyond strategy, prompt and length; "gamma" = `--gamma`,
+# "num_beams" = `--num-beams`.
 SPECWIRE_PARAMS: dict[str, dict[str, Any]] = {
     "specwire_greedy": {"strategy": "greedy"},
     "specwire_speculative": {"strategy": "speculative"},
@@ -151,6 +173,9 @@ SPECWIRE_PARAMS: dict[str, dict[str, Any]] = {
     "specwire_medusa": {"strategy": "medusa"},
     "specwire_medusa_lossless": {"strategy": "medusa", "temperature": 0.7, "medusa_acceptance": "lossless"},
     "specwire_medusa_typical": {"strategy": "medusa", "temperature": 0.7, "medusa_acceptance": "typical"},
+    # Beam search as it is used, ending at eos; best-first's condition for beam's result is length_penalty 0.
+    "specwire_beam": {"strategy": "beam", "num_beams": "num_beams", "length_penalty": 0.0, "ignore_eos": False},
+    "specwire_best_first_beam": {"strategy": "best_first_beam", "num_beams": "num_beams", "ignore_eos": False},
 }
 ROW_NAMES = [row.name for row in ROWS]
 MEDUSA_ROWS = [name for name, params in SPECWIRE_PARAMS.items() if params["strategy"] == "medusa"]
@@ -161,9 +186,13 @@ class BenchConfig:
     target_model: str
     draft_model: str
     prompts: list[str]
+    quantize: str = "auto"  # the model services' --quantize
+    target_threads: int = 0  # the target service's torch threads, and llama.cpp's; 0: all cores
+    gguf: str | None = None  # the `llamacpp` row's model (default: the target's own GGUF)
     max_new_tokens: int = 64
     repeats: int = 3
     gamma: int = 4
+    num_beams: int = 4  # k of the beam rows
     device: str = "auto"
     dtype: str = "auto"
     rows: tuple[str, ...] = tuple(ROW_NAMES)
@@ -192,6 +221,7 @@ class Sample:
     pipelined_rounds: int = 0
     target_forwards: int = 0
     draft_forwards: int = 0
+    expansions: int = 0  # beam search: target rows scored
     target_compute_ms: float = 0.0
     draft_compute_ms: float = 0.0
     # specwire only (the orchestrator's GenerationStats):
@@ -379,14 +409,15 @@ class HfRunner:
 # -- specwire over gRPC -------------------------------------------------------------------------
 
 
-def row_params(row: str, gamma: int) -> dict[str, Any]:
+def row_params(row: str, gamma: int, num_beams: int = 4) -> dict[str, Any]:
     """The `Generate` keywords of a specwire row, beyond prompt and length."""
-    return {name: gamma if value == "gamma" else value for name, value in SPECWIRE_PARAMS[row].items()}
+    flags = {"gamma": gamma, "num_beams": num_beams}
+    return {name: flags.get(value, value) if isinstance(value, str) else value for name, value in SPECWIRE_PARAMS[row].items()}
 
 
 def specwire_sample(client: Any, params: dict[str, Any], prompt_ids: list[int], max_new_tokens: int) -> Sample:
     """One `Generate` through an orchestrator; `client` is a `client.sdk.Client`, `params` its keywords."""
-    params = params | {"max_new_tokens": max_new_tokens, "ignore_eos": True}
+    params = {"ignore_eos": True} | params | {"max_new_tokens": max_new_tokens}
     if "temperature" in params and "seed" not in params:  # seeded sampled rows: the same draws every repeat
         params["seed"] = len(prompt_ids)
     started = time.perf_counter()
@@ -404,6 +435,7 @@ def specwire_sample(client: Any, params: dict[str, Any], prompt_ids: list[int], 
         pipelined_rounds=s.pipelined_rounds,
         target_forwards=s.target_forwards,
         draft_forwards=s.draft_forwards,
+        expansions=s.expansions,
         target_compute_ms=s.target_compute_ms,
         draft_compute_ms=s.draft_compute_ms,
         server_wall_ms=s.wall_ms,
@@ -520,7 +552,7 @@ def _paired_ratio(row: RowResult, base: RowResult | None) -> float | None:
 
 
 def _matches(row: RowResult, reference: RowResult | None) -> float | None:
-    if reference is None or reference.error or row.error or row.spec.group in SAMPLED_GROUPS:
+    if reference is None or reference.error or row.error or row.spec.group in (*SAMPLED_GROUPS, BEAM_GROUP):
         return None
     pairs = [
         (ours.token_ids, theirs.token_ids)
@@ -538,6 +570,7 @@ def summarize(results: dict[str, RowResult]) -> list[dict[str, Any]]:
     """The report's rows: every figure named in the module docstring, null where not applicable."""
     hf_target = results.get("hf_target")
     specwire_greedy = results.get("specwire_greedy")
+    specwire_beam = results.get("specwire_beam")
     assisted = [r for r in results.values() if r.spec.group == "hf_assisted" and not r.error and r.samples]
     best_assisted = max(assisted, key=lambda r: _median(r.tokens_per_s()) or 0.0, default=None)
     rows = []
@@ -554,8 +587,10 @@ def summarize(results: dict[str, RowResult]) -> list[dict[str, Any]]:
             "tokens_per_s_min": min(tps) if tps else None,
             "tokens_per_s_max": max(tps) if tps else None,
             "tokens_per_s_per_repeat": tps,
-            "ratio_vs_hf_target": _paired_ratio(result, hf_target),
-            "ratio_vs_hf_assisted": _paired_ratio(result, best_assisted),
+            # Beam rows end at eos: their tokens per second are not comparable with greedy rows'.
+            "ratio_vs_hf_target": None if spec.group == BEAM_GROUP else _paired_ratio(result, hf_target),
+            "ratio_vs_hf_assisted": None if spec.group == BEAM_GROUP else _paired_ratio(result, best_assisted),
+            "ratio_vs_llamacpp": None if spec.group == BEAM_GROUP else _paired_ratio(result, results.get("llamacpp")),
             "best_hf_assisted_row": best_assisted.spec.name if best_assisted else None,
             "matches_hf_target": _matches(result, hf_target),
             "new_tokens_per_repeat": sum(len(s.token_ids) for s in samples) // max(1, len(result.samples)),
@@ -569,6 +604,7 @@ def summarize(results: dict[str, RowResult]) -> list[dict[str, Any]]:
         )
         row |= _speculation_figures(result, samples, baseline)
         row |= _round_breakdown(samples)
+        row |= _beam_figures(result, samples, specwire_beam)
         rows.append(row)
     return rows
 
@@ -610,6 +646,34 @@ def _speculation_figures(result: RowResult, samples: list[Sample], baseline: Row
         "efficiency": measured / predicted if measured is not None and predicted else None,
         "speculation_off_rounds_per_generation": sum(s.off_rounds for s in samples) / len(samples),
         "pipelined_round_share": _ratio(sum(s.pipelined_rounds for s in samples), rounds),
+    }
+
+
+def _beam_figures(result: RowResult, samples: list[Sample], beam: RowResult | None) -> dict[str, Any]:
+    """The beam rows' figures (module docstring, (g)); the ratios and matches are over `beam`."""
+    figures: dict[str, Any] = dict.fromkeys(
+        ["expansions_per_generation", "target_forwards_per_generation", "expansions_ratio_vs_beam",
+         "wall_ratio_vs_beam", "matches_beam"]
+    )
+    if result.spec.group != BEAM_GROUP or not samples:
+        return figures
+    figures["expansions_per_generation"] = statistics.fmean(s.expansions for s in samples)
+    figures["target_forwards_per_generation"] = statistics.fmean(s.target_forwards for s in samples)
+    if beam is None or beam.error or beam is result or not beam.samples:
+        return figures
+    pairs = [
+        (ours, theirs)
+        for run, beam_run in zip(result.samples, beam.samples, strict=False)
+        for ours, theirs in zip(run, beam_run, strict=True)
+    ]
+    walls = [
+        sum(s.seconds for s in run) / sum(s.seconds for s in beam_run)
+        for run, beam_run in zip(result.samples, beam.samples, strict=False)
+    ]
+    return figures | {
+        "expansions_ratio_vs_beam": _ratio(sum(a.expansions for a, _ in pairs), sum(b.expansions for _, b in pairs)),
+        "wall_ratio_vs_beam": _median(walls),
+        "matches_beam": sum(a.token_ids == b.token_ids for a, b in pairs) / len(pairs) if pairs else None,
     }
 
 
@@ -681,7 +745,9 @@ def model_label(path: str, demo_dir: Path) -> str:
 def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple[dict[str, Stack], dict[str, str]]:
     """The model-drafter stack and the n-gram stack, started in parallel; errors by stack name."""
     stack_configs: dict[str, StackConfig] = {}
-    common = StackConfig(target_model=config.target_model, device=config.device, dtype=config.dtype)
+    threads = config.target_threads or os.cpu_count() or 1
+    common = StackConfig(target_model=config.target_model, device=config.device, dtype=config.dtype,
+                         quantize=config.quantize, target_threads=threads)
     common = replace(common, rtt_ms=config.rtt_ms)
     if needed & (set(SPECWIRE_PARAMS) - {"specwire_speculative_ngram"}):
         port = config.port or free_base_port()
@@ -708,6 +774,24 @@ def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(start, stack_configs))
     return stacks, errors
+
+
+def wait_compiled(stack: Stack, timeout_s: float = 900.0) -> ModelInfo:
+    """The target's Info once its forwards run compiled (a service compiles in the background
+    after it is SERVING), or as it is at the timeout; rows measured before would time eager code."""
+    import grpc
+    from specwire.v1 import model_pb2, model_pb2_grpc
+
+    from specwire.wire import info_from_pb
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(f"{stack.config.host}:{stack.config.target_port}") as channel:
+        stub = model_pb2_grpc.ModelServiceStub(channel)
+        while True:
+            info = info_from_pb(stub.Info(model_pb2.InfoRequest(), timeout=10))
+            if info.compiled or os.environ.get("SPECWIRE_COMPILE") == "off" or time.monotonic() > deadline:
+                return info
+            time.sleep(1.0)
 
 
 def run_bench(config: BenchConfig) -> dict[str, Any]:
@@ -738,14 +822,27 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             stacks, stack_errors = starting.result()
         for name, stack in stacks.items():
             clients[name] = Client(stack.config.address, timeout=600)
+        target_info = wait_compiled(stacks["model"]) if "model" in stacks else None
+
+        llama = None
+        if "llamacpp" in config.rows:
+            gguf = config.gguf or llamacpp.find_gguf(config.target_model)
+            if gguf is None or not llamacpp.available():
+                results["llamacpp"].error = "needs llama-cpp-python and the target's GGUF (--gguf)"
+            else:
+                llama = llamacpp.LlamaCppRunner(Path(gguf), config.target_threads or os.cpu_count() or 1)
 
         def call(row: str, ids: list[int], max_new_tokens: int) -> Sample:
             if row.startswith("hf_"):
                 return hf.generate(row, ids, max_new_tokens, config.gamma)
+            if row == "llamacpp":
+                assert llama is not None
+                tokens, seconds = llama.generate(ids, max_new_tokens)
+                return Sample(token_ids=tokens, seconds=seconds, target_forwards=len(tokens))
             stack = "ngram" if row == "specwire_speculative_ngram" else "model"
             if stack in stack_errors:
                 raise RuntimeError(f"the {stack} stack did not start: {stack_errors[stack]}")
-            params = row_params(row, config.gamma)
+            params = row_params(row, config.gamma, config.num_beams)
             if row in MEDUSA_ROWS and config.medusa_choices:
                 params["medusa_choices"] = config.medusa_choices
             return specwire_sample(clients[stack], params, ids, max_new_tokens)
@@ -807,9 +904,16 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             "max_new_tokens": config.max_new_tokens,
             "repeats": config.repeats,
             "gamma": config.gamma,
+            "num_beams": config.num_beams,
             "rtt_ms": config.rtt_ms,
             "device": str(hf.device),
             "dtype": str(next(hf.target.parameters()).dtype).removeprefix("torch."),
+            # The served target as its Info states it: ms of one cached forward by new positions.
+            "target_forward_costs": {str(n): ms for n, ms in target_info.forward_costs} if target_info else None,
+            "target_quantization": target_info.quantization if target_info else None,
+            "target_compiled": target_info.compiled if target_info else None,
+            "target_threads": config.target_threads or os.cpu_count(),
+            "llamacpp_gguf": str(llama.gguf) if llama is not None else None,
             "seed": config.seed,
             "row_order_per_repeat": order_log,
             "timing": "wall time around each call, summed over the prompts of a repeat; medians and min/max over repeats",
@@ -866,10 +970,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gamma", type=int, default=4, help="γ of the speculative and constant-schedule rows")
+    parser.add_argument("--num-beams", type=int, default=4, help="k of the beam rows (specwire_beam, specwire_best_first_beam)")
     parser.add_argument("--target-model", help="target model directory (default: the demo target)")
     parser.add_argument("--draft-model", help="draft model directory (default: the demo draft)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantize", default="auto", help="the model services' --quantize (none, int8, int4, auto)")
+    parser.add_argument("--target-threads", type=int, default=0, help="the target's torch threads and llama.cpp's (0: all cores)")
+    parser.add_argument("--gguf", help="the llamacpp row's GGUF (default: DIR/gguf/*.gguf of the target)")
     parser.add_argument("--rows", help=f"comma-separated subset of: {', '.join(ROW_NAMES)}")
     parser.add_argument("--seed", type=int, default=0, help="seed of the row order shuffle")
     parser.add_argument("--port", type=int, default=0, help="base port of the stacks (0 = free ports)")
@@ -888,11 +996,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     target, draft = default_models(args.target_model, args.draft_model)
-    if args.max_new_tokens < 1 or args.repeats < 1 or args.gamma < 1:
-        raise SystemExit("--max-new-tokens, --repeats and --gamma must be ≥ 1")
+    if args.max_new_tokens < 1 or args.repeats < 1 or args.gamma < 1 or args.num_beams < 1:
+        raise SystemExit("--max-new-tokens, --repeats, --gamma and --num-beams must be ≥ 1")
     if args.rtt_ms < 0:
         raise SystemExit(f"--rtt-ms must be ≥ 0, got {args.rtt_ms}")
-    rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else tuple(ROW_NAMES)
+    runnable = llamacpp.available() and (args.gguf or llamacpp.find_gguf(target))  # llamacpp only where it can run
+    rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else tuple(
+        name for name in ROW_NAMES if name != "llamacpp" or runnable)
     try:
         concurrency = tuple(int(n) for n in args.concurrency.split(",")) if args.concurrency else ()
     except ValueError:
@@ -906,6 +1016,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         gamma=args.gamma,
+        num_beams=args.num_beams,
         device=args.device,
         dtype=args.dtype,
         rows=rows,
@@ -916,6 +1027,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         medusa=args.medusa or _default_medusa(target),
         medusa_choices=Path(args.medusa_choices).read_text() if args.medusa_choices else None,
         rtt_ms=args.rtt_ms,
+        quantize=args.quantize,
+        target_threads=args.target_threads,
+        gguf=args.gguf,
         command=args.command_line,
     )
 

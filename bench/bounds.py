@@ -1,7 +1,7 @@
 """What this machine allows each strategy at best: the engine's own costs, measured in process,
 and the ratios to greedy that no network, orchestrator or scheduling work could improve on.
 
-    specwire bounds [--target-model DIR] [--draft-model DIR] [--medusa DIR] [--threads N] [--json]
+    specwire bounds [--target-model DIR] [--draft-model DIR] [--medusa DIR] [--threads N] [--quantize M] [--json]
 
 Measured, median, the engine as the services run it (`--compile auto`):
 - one session's cached forward at 1 … 65 new positions, all scored (`Engine.measure_costs`:
@@ -113,7 +113,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     engines = {}
     for role, path in (("target", args.target_model), ("draft", args.draft_model)):
-        lm = CausalLM.load(path, device="cpu", dtype="float32")
+        lm = CausalLM.load(path, device="cpu", dtype="float32", quantization=args.quantize)
         engines[role] = Engine(lm, role, EngineLimits(max_batch_rows=STREAMS + 1, max_cache_len=1024))
         engines[role].warmup()
     target, draft = engines["target"], engines["draft"]
@@ -134,6 +134,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "machine": machine_info(),
         },
         "threads": args.threads,
+        "quantization": {"target": target.lm.quantization, "draft": draft.lm.quantization},
         "target": {"forward_costs_ms": dict(verify), "greedy_ms_per_token": greedy_ms},
         "draft": {"greedy_ms_per_token": draft_ms},
         "batching": {
@@ -164,6 +165,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--medusa", default=str(demo_medusa_dir()), help="heads directory ('' to skip)")
     parser.add_argument("--medusa-prompts", type=int, default=16, help="held-out prompts for the heads' E(N)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a service's share of the cores)")
+    parser.add_argument("--quantize", default="auto", help="both models' --quantize (none, int8, int4, auto)")
     parser.add_argument("--repeats", type=int, default=31)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", help="also write the JSON report here")

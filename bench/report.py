@@ -43,7 +43,7 @@ HEADLINE_COLUMNS = [column for column in COLUMNS if column[1] in
                     ("ratio_vs_hf_target", "tokens_per_target_forward", "matches_hf_target")]
 # The rows a reader compares first: transformers' own decoding, and each of specwire's strategies once.
 HEADLINE_ROWS = [
-    "hf_target", "hf_prompt_lookup", "specwire_greedy", "specwire_speculative", "specwire_speculative_sequential",
+    "hf_target", "hf_prompt_lookup", "llamacpp", "specwire_greedy", "specwire_speculative", "specwire_speculative_sequential",
     "specwire_speculative_ngram", "specwire_sample", "specwire_entropix", "specwire_medusa",
 ]
 CONCURRENCY_COLUMNS: list[tuple[str, str, int]] = [
@@ -54,6 +54,15 @@ CONCURRENCY_COLUMNS: list[tuple[str, str, int]] = [
     ("p99 ms/token", "p99_token_ms", 2),
     ("p50 × one stream", "p50_ratio_vs_one_stream", 2),
     ("= solo", "matches_solo", 2),
+]
+# The beam rows' own figures (`specwire_beam`, `specwire_best_first_beam`): work and time against beam search's.
+BEAM_GROUP = "specwire_beam"
+BEAM_COLUMNS: list[tuple[str, str, int]] = [
+    ("target rows scored / generation", "expansions_per_generation", 1),
+    ("target forwards / generation", "target_forwards_per_generation", 1),
+    ("rows × beam", "expansions_ratio_vs_beam", 3),
+    ("wall × beam", "wall_ratio_vs_beam", 3),
+    ("= beam", "matches_beam", 2),
 ]
 # The forward-cost curve's points a table shows (`specwire bounds` measures more).
 BOUNDS_POSITIONS = (1, 2, 4, 5, 8, 16, 25, 65)
@@ -139,6 +148,12 @@ def render(report: dict[str, Any], headline: bool = False) -> str:
         return "\n".join(lines)
     if report.get("concurrency"):
         lines += ["", *concurrency_table(report)]
+    beam_rows = [row for row in report["rows"] if row["group"] == BEAM_GROUP and not row["error"]]
+    if beam_rows:
+        lines += ["", f"Beam rows, k = {meta.get('num_beams')}, end-of-sequence honoured:", "", *_table(
+            ["row"] + [header for header, _, _ in BEAM_COLUMNS],
+            [[row["name"]] + [fmt(row[key], digits) for _, key, digits in BEAM_COLUMNS] for row in beam_rows],
+        )]
     best = next((r["best_hf_assisted_row"] for r in report["rows"] if r["best_hf_assisted_row"]), None)
     lines += ["", f"Best HF assisted row: {best or '–'}; the run took {meta['duration_s']:.0f} s."]
     cost = meta.get("entropix_metrics_cost")

@@ -14,15 +14,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specwire.bench import bench, bounds, experiment, report, soak
+from specwire.bench import bench, bounds, experiment, quality, report, soak
 from specwire.bench.entropix_plot import STATE_COLOURS, plot_decisions
 from specwire.client.sdk import Client, GenerateResult, GenerationError, enum_names
 from specwire.draft_service import distill
 from specwire.target_service import train_medusa
 from specwire.v1 import orchestrator_pb2
 
-from specwire import __version__
+from specwire import __version__, model_zoo
 from specwire.config import OrchestratorConfig, compile_default
+from specwire.engine import quantize
 from specwire.extras import require
 
 # Generation flags: (flag, type, help). The SDK keyword is the flag with underscores.
@@ -48,9 +49,11 @@ GENERATION_FLAGS: list[tuple[str, Any, str]] = [
 
 
 def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: int) -> None:
-    parser.add_argument("--model", help="model directory or hub id (default: the embedded demo model)")
+    parser.add_argument("--model", help="model directory, hub id or FILE.gguf (default: the embedded demo model)")
+    parser.add_argument("--gguf-file", help="with --model DIR: the GGUF file in it to load")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    _add_quantize_flag(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=port, help="0 picks a free port")
     parser.add_argument("--max-sessions", type=int, default=256, help="concurrent sessions before RESOURCE_EXHAUSTED")
@@ -78,6 +81,14 @@ def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: i
         parser.add_argument("--ngram-min", type=int, default=1, help="n-gram drafter: shortest n-gram to match")
     _add_server_tls_flags(parser)
     _add_telemetry_flags(parser)
+
+
+def _add_quantize_flag(parser: argparse.ArgumentParser, flag: str = "--quantize", whom: str = "the model") -> None:
+    parser.add_argument(
+        flag, default="auto", choices=list(quantize.MODES),
+        help=f"{whom}'s linear weights: int8 / int4 on CPU; auto = what measured fastest here "
+        "(int8 for a model too large for the CPU's caches, else none; none on CUDA)",
+    )
 
 
 def _add_server_tls_flags(parser: argparse.ArgumentParser) -> None:
@@ -149,9 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="target-only decoding: tokens the target may decide per message (1 = one per round trip)",
     )
     _add_telemetry_flags(orch)
+    _add_http_front_flags(roles.add_parser("http", help="the OpenAI-compatible HTTP front (pip install 'specwire[http]')"))
 
     up = commands.add_parser("up", help="run all three services until Ctrl-C / SIGTERM")
     _add_stack_flags(up)
+    up.add_argument(
+        "--http-port", type=int, default=0,
+        help="also serve the OpenAI-compatible HTTP API on this port (0 = off; pip install 'specwire[http]')",
+    )
+    up.add_argument("--chat-template", metavar="FILE", help="--http-port: a Jinja chat template instead of the tokenizer's own")
 
     generate = commands.add_parser("generate", help="generate text through an orchestrator")
     generate.add_argument("--address", default="127.0.0.1:50051")
@@ -195,7 +212,21 @@ def build_parser() -> argparse.ArgumentParser:
     bounds.add_parser(commands)
     distill.add_parser(commands)
     train_medusa.add_parser(commands)
+    model_zoo.add_parser(commands)
+    quality.add_parser(commands)
     return parser
+
+
+def _add_http_front_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--orchestrator", default="127.0.0.1:50051", help="the orchestrator's host:port")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--tokenizer", help="tokenizer directory or hub id for chat templates (default: the orchestrator's)")
+    parser.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template used instead of the tokenizer's own")
+    parser.add_argument("--model-name", help="the model id listed and accepted (default: the orchestrator's target model)")
+    parser.add_argument("--auth-token-file", help="accept only requests with `Authorization: Bearer <a line of FILE>`")
+    parser.add_argument("--orchestrator-token-file", help="send the first line of FILE to the orchestrator as the bearer token")
+    _add_client_tls_flags(parser, "orchestrator-", "the orchestrator")
 
 
 def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
@@ -206,6 +237,9 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50051, help="orchestrator port; draft on +1, target on +2")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    _add_quantize_flag(parser, whom="each model service")
+    parser.add_argument("--target-threads", type=int, default=0, help="the target's torch threads (0: cores split between the services)")
+    parser.add_argument("--draft-threads", type=int, default=0, help="the draft's torch threads (0: cores split between the services)")
     parser.add_argument("--trace-dir", help="each service writes its spans to DIR/<service>.jsonl")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus: orchestrator on P, draft P+1, target P+2")
     parser.add_argument("--rtt-ms", type=float, default=0.0, help="emulated round trip to each model service (delay proxy)")
@@ -290,7 +324,9 @@ def print_summary(finish_reason: str, stats: Any) -> None:
     print(
         f"\n[{finish_reason}] {s.new_tokens} tokens in {s.wall_ms:.0f} ms "
         f"({1000 * s.new_tokens / max(s.wall_ms, 1e-9):.1f} tok/s), {s.rounds} rounds, "
-        f"{s.target_forwards} target forwards" + speculation_figures(s),
+        + (f"{s.expansions} target rows scored in {s.target_forwards} forwards" if s.expansions
+           else f"{s.target_forwards} target forwards")
+        + speculation_figures(s),
         file=sys.stderr,
     )
     if s.entropix_states:
@@ -312,16 +348,16 @@ def format_states(counts: dict[str, int]) -> str:
     return ", ".join(f"{state} {counts[state]}" for state in STATE_COLOURS if state in counts)
 
 
-def read_token(path: str) -> str:
-    """The first non-blank, non-comment line of a token file."""
+def read_token(path: str, flag: str = "--token-file") -> str:
+    """The first non-blank, non-comment line of a token file (given by `flag`)."""
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as error:
-        raise SystemExit(f"--token-file: cannot read {path}: {error.strerror}") from None
+        raise SystemExit(f"{flag}: cannot read {path}: {error.strerror}") from None
     for line in lines:
         if line.strip() and not line.lstrip().startswith("#"):
             return line.strip()
-    raise SystemExit(f"--token-file: {path} holds no token")
+    raise SystemExit(f"{flag}: {path} holds no token")
 
 
 def client_security(args: argparse.Namespace) -> dict[str, Any]:
@@ -382,6 +418,9 @@ def _stack_config(args: argparse.Namespace) -> Any:
         drafter=args.drafter,
         device=args.device,
         dtype=args.dtype,
+        quantize=args.quantize,
+        target_threads=args.target_threads,
+        draft_threads=args.draft_threads,
         extra_target_args=_stack_telemetry_args(args, "target", 2),
         medusa=args.medusa,
         extra_draft_args=_stack_telemetry_args(args, "draft", 1),
@@ -392,6 +431,8 @@ def _stack_config(args: argparse.Namespace) -> Any:
         target_replicas=args.target_replicas,
         tls_dir=str(Path(args.tls).resolve()) if args.tls else None,
         auth_token_file=str(Path(args.auth_token_file).resolve()) if args.auth_token_file else None,
+        http_port=getattr(args, "http_port", 0),  # `up` only
+        chat_template=str(Path(args.chat_template).resolve()) if getattr(args, "chat_template", None) else None,
     )
 
 
@@ -404,6 +445,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: object) -> None:
         stopping["signal"] = True
 
+    if args.http_port:  # refused before anything starts
+        require("uvicorn", "http", "specwire up --http-port")
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     stack.start()
@@ -413,6 +456,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"target        {', '.join(f'{c.host}:{port}' for port in c.target_ports)}")
     if c.tls_dir:
         print(f"mutual TLS    between the services; CA and certificates in {c.tls_dir}")
+    if c.http_port:
+        print(f"openai http   http://{c.host}:{c.http_port}/v1")
     if c.auth_token_file:
         print(f"auth          bearer tokens from {c.auth_token_file} (specwire generate --token-file FILE)")
     if c.proxied:
@@ -422,7 +467,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"traces        {Path(args.trace_dir).resolve()}/{{orchestrator,draft,target}}.jsonl")
     if args.metrics_port:
         print(f"metrics       http://{c.host}:{args.metrics_port}/metrics (draft +1, target +2)")
-    print("Ctrl-C stops all three; a child that exits is restarted.", flush=True)
+    print(f"Ctrl-C stops all {'four' if c.http_port else 'three'}; a child that exits is restarted.", flush=True)
     try:
         while not stopping["signal"]:
             stack.supervise()
@@ -471,6 +516,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specwire.config import ModelServiceConfig, OrchestratorConfig
     from specwire.security import client_tls, server_tls
 
+    if args.role == "http":
+        return serve_http(args)
     tls = server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
 
     if args.role == "orchestrator":
@@ -507,6 +554,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queued_sessions=args.max_queued_sessions,
         engine=args.engine,
         compile=args.compile,
+        quantize=args.quantize,
+        gguf_file=args.gguf_file,
         threads=args.threads,
         drafter=getattr(args, "drafter", "model"),
         medusa=getattr(args, "medusa", None),
@@ -524,6 +573,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from specwire.target_service.server import main as serve_target
 
         serve_target(config)
+    return 0
+
+
+def serve_http(args: argparse.Namespace) -> int:
+    from specwire.config import HttpFrontConfig
+    from specwire.security import client_tls
+
+    for module in ("starlette", "uvicorn", "jinja2"):
+        require(module, "http", "specwire serve http")
+    from specwire.openai_http.server import main as serve_front
+
+    serve_front(
+        HttpFrontConfig(
+            orchestrator=args.orchestrator,
+            host=args.host,
+            port=args.port,
+            tokenizer=args.tokenizer,
+            chat_template=args.chat_template,
+            model_name=args.model_name,
+            auth_token_file=args.auth_token_file,
+            orchestrator_token=(
+                read_token(args.orchestrator_token_file, "--orchestrator-token-file") if args.orchestrator_token_file else None
+            ),
+            orchestrator_tls=client_tls(args.orchestrator_tls_ca, args.orchestrator_tls_cert, args.orchestrator_tls_key),
+        )
+    )
     return 0
 
 
@@ -561,7 +636,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "report": report.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "distill": distill.run, "train-medusa": train_medusa.main}
+COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "report": report.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "distill": distill.run, "train-medusa": train_medusa.main, "models": model_zoo.run, "quality": quality.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

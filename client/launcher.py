@@ -1,4 +1,5 @@
-"""Run the three services as child processes (`specwire up`, `specwire demo`, benchmarks).
+"""Run the three services as child processes (`specwire up`, `specwire demo`, benchmarks), and
+the OpenAI-compatible HTTP front as a fourth when asked for.
 
 Each child prints `READY <role> <host>:<port>` once it reports SERVING; the launcher waits for
 all of them (every target replica too), and stops them all (SIGTERM, then SIGKILL after a grace
@@ -39,6 +40,11 @@ class StackConfig:
     extra_draft_args: tuple[str, ...] = ()
     extra_orchestrator_args: tuple[str, ...] = ()
     medusa: str | None = None  # the target's Medusa heads directory (`--medusa`)
+    quantize: str = "auto"  # the model services' --quantize
+    # Torch threads of the target service (each replica) and of the draft; 0: the machine's
+    # cores split evenly between the model services.
+    target_threads: int = 0
+    draft_threads: int = 0
     # Emulated link between the orchestrator and each model service (`specwire.delay_proxy`):
     # any of these > 0 puts a proxy child in front of each service, one-way delay = rtt / 2.
     rtt_ms: float = 0.0
@@ -50,6 +56,9 @@ class StackConfig:
     tls_dir: str | None = None
     # Bearer tokens the public API accepts (one per line); None: open.
     auth_token_file: str | None = None
+    # The OpenAI-compatible HTTP front (`specwire serve http`) on this port; 0: none.
+    http_port: int = 0
+    chat_template: str | None = None  # its `--chat-template FILE`
 
     @property
     def draft_port(self) -> int:
@@ -135,6 +144,17 @@ def _tls_args(c: StackConfig) -> tuple[list[str], list[str], list[str]]:
     return server("target"), server("draft"), orchestrator
 
 
+def _http_args(c: StackConfig) -> list[str]:
+    """`serve http` flags: in front of this stack's orchestrator, checking the same bearer tokens
+    and presenting the file's first one to the orchestrator."""
+    args = ["--orchestrator", c.address, "--host", c.host, "--port", str(c.http_port)]
+    if c.chat_template:
+        args += ["--chat-template", c.chat_template]
+    if c.auth_token_file:
+        args += ["--auth-token-file", c.auth_token_file, "--orchestrator-token-file", c.auth_token_file]
+    return args
+
+
 def _serve_command(role: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "specwire", "serve", role, *args]
 
@@ -172,14 +192,15 @@ class Stack:
         # The model services share this machine's cores: each gets its part, so no service's
         # threads spin on a core another one needs (on 2 cores that cut a compiled greedy round from 5.8–6.2 to 5.0 ms).
         threads = max(1, (os.cpu_count() or 1) // (c.target_replicas + 1))
-        model_args = ["--device", c.device, "--dtype", c.dtype, "--host", c.host, "--threads", str(threads)]
+        model_args = ["--device", c.device, "--dtype", c.dtype, "--host", c.host, "--quantize", c.quantize]
         target_tls, draft_tls, orchestrator_tls = _tls_args(c)
-        target_args = [*model_args, *target_tls, *c.extra_target_args]
+        target_args = [*model_args, "--threads", str(c.target_threads or threads), *target_tls, *c.extra_target_args]
         if c.target_model:
             target_args += ["--model", c.target_model]
         if c.medusa:
             target_args += ["--medusa", c.medusa]
-        draft_args = [*model_args, *draft_tls, "--port", str(c.draft_port), "--drafter", c.drafter, *c.extra_draft_args]
+        draft_args = [*model_args, "--threads", str(c.draft_threads or threads), *draft_tls, "--port", str(c.draft_port),
+                      "--drafter", c.drafter, *c.extra_draft_args]
         # The n-gram drafter needs only a tokenizer: the target's, unless told otherwise.
         draft_source = c.draft_model or (c.target_model if c.drafter == "ngram" else None)
         if draft_source:
@@ -211,6 +232,9 @@ class Stack:
             orchestrator_args += ["--tokenizer", c.target_model]
         self._spawn("orchestrator", _serve_command("orchestrator", *orchestrator_args), log_dir)
         self._wait(["orchestrator"], timeout)
+        if c.http_port:
+            self._spawn("http", _serve_command("http", *_http_args(c)), log_dir)
+            self._wait(["http"], timeout)
 
     def _spawn(self, role: str, command: list[str], log_dir: Path | None, ready_label: str | None = None) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -323,13 +323,15 @@ class Client(_Connection):
         request = build_request(prompt, **params)
         span, metadata = _client_span("GenerateStream")
         failure: GenerationError | None = None
+        call = self._stub.GenerateStream(request, timeout=self.timeout, metadata=_authorized(metadata, self._token))
         try:
-            for delta in self._stub.GenerateStream(request, timeout=self.timeout, metadata=_authorized(metadata, self._token)):
+            for delta in call:
                 yield _delta_from_pb(delta)
         except grpc.RpcError as error:
             failure = _error(error)
             raise failure from None
         finally:
+            call.cancel()  # a caller that stops reading ends the generation now, not when the call is collected
             _end(span, failure)
 
     def health(self) -> str:
@@ -375,13 +377,15 @@ class AsyncClient(_Connection):
         request = build_request(prompt, **params)
         span, metadata = _client_span("GenerateStream")
         failure: GenerationError | None = None
+        call = self._stub.GenerateStream(request, timeout=self.timeout, metadata=_authorized(metadata, self._token))
         try:
-            async for delta in self._stub.GenerateStream(request, timeout=self.timeout, metadata=_authorized(metadata, self._token)):
+            async for delta in call:
                 yield _delta_from_pb(delta)
         except grpc.aio.AioRpcError as error:
             failure = _error(error)
             raise failure from None
         finally:
+            call.cancel()  # as in Client.stream
             _end(span, failure)
 
     async def health(self) -> str:

@@ -33,6 +33,11 @@ from specwire.session import OpenRequest, ScoreKind, Scores, Scoring, StepReques
 MASKED = float("-inf")
 
 
+def beams_to_keep(num_beams: int, n_eos: int) -> int:
+    """Candidates each step keeps per beam: enough that num_beams of them do not stop."""
+    return max(2, 1 + n_eos) * num_beams
+
+
 def length_normalized(sum_logprobs: torch.Tensor, length: int, length_penalty: float) -> torch.Tensor:
     """sum log p / length^length_penalty (transformers' BeamHypotheses), in float64. [n] → [n]."""
     return sum_logprobs.double() / torch.tensor(float(length), dtype=torch.float64).pow(length_penalty)
@@ -63,7 +68,7 @@ class BeamState:
         running[0] = 0.0  # every beam starts as the prompt: only one may expand at first
         return cls(
             num_beams=num_beams,
-            beams_to_keep=max(2, 1 + n_eos) * num_beams,
+            beams_to_keep=beams_to_keep(num_beams, n_eos),
             max_new_tokens=max_new_tokens,
             length_penalty=length_penalty,
             early_stopping=early_stopping,
@@ -122,7 +127,8 @@ def beam_step(state: BeamState, cand_ids: torch.Tensor, cand_logprobs: torch.Ten
     state.done = not state.improvable or all_full or bool(hits.all())
 
 
-def _candidates(scores: Scores, num_beams: int) -> tuple[torch.Tensor, torch.Tensor]:
+def candidates(scores: Scores, num_beams: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's candidate ids and log-probabilities: [num_beams, K] each."""
     if scores.sparse_ids is not None and scores.sparse_values is not None:
         return scores.sparse_ids.view(num_beams, -1), scores.sparse_values.view(num_beams, -1)
     assert scores.dense is not None
@@ -141,12 +147,19 @@ def start_beams(ctx: DecodeContext) -> tuple[BeamState, frozenset[int]]:
     return state, eos_ids
 
 
-def finish_beams(ctx: DecodeContext, state: BeamState) -> list[int]:
-    """Leave the best `num_return_sequences` finished hypotheses in `ctx.sequences`, best first;
-    return the best one's tokens. Scores are clamped to float32's range (the wire's type)."""
+def return_sequences(ctx: DecodeContext, ranked: list[BeamSequence]) -> list[int]:
+    """Leave the best `num_return_sequences` of `ranked` (best first) in `ctx.sequences`, scores
+    clamped to float32's range (the wire's type); return the best one's tokens."""
     lowest = -torch.finfo(torch.float32).max
+    kept = ranked[: ctx.params.num_return_sequences]
+    ctx.sequences = [BeamSequence(sequence.token_ids, max(lowest, sequence.score)) for sequence in kept]
+    return ctx.sequences[0].token_ids
+
+
+def finish_beams(ctx: DecodeContext, state: BeamState) -> list[int]:
+    """The finished hypotheses into `ctx.sequences` (`return_sequences`); the best one's tokens."""
     ranked = [
-        BeamSequence(tokens, max(lowest, float(score)))
+        BeamSequence(tokens, float(score))
         for tokens, score, finished in zip(
             state.finished_tokens, state.finished_scores.tolist(), state.finished_flags.tolist(), strict=True
         )
@@ -154,9 +167,8 @@ def finish_beams(ctx: DecodeContext, state: BeamState) -> list[int]:
     ]
     if not ranked:  # no candidate ever had a finite score: the best running beam stands in
         score = length_normalized(state.running_scores[:1], max(1, state.generated), state.length_penalty)
-        ranked = [BeamSequence(state.running_tokens[0].tolist(), max(lowest, float(score[0])))]
-    ctx.sequences = ranked[: ctx.params.num_return_sequences]
-    return ctx.sequences[0].token_ids
+        ranked = [BeamSequence(state.running_tokens[0].tolist(), float(score[0]))]
+    return return_sequences(ctx, ranked)
 
 
 async def beam_search(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
@@ -167,7 +179,8 @@ async def beam_search(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
     with ctx.round(num_beams=params.num_beams):
         result = await target.open(OpenRequest(ctx.prompt_ids, params.processing, params.num_beams, scoring, ctx.trace()))
         assert result.scores is not None
-        beam_step(state, *_candidates(result.scores, params.num_beams), eos_ids)
+        ctx.stats.expansions += result.scores.rows
+        beam_step(state, *candidates(result.scores, params.num_beams), eos_ids)
     while not state.done:
         with ctx.round(num_beams=params.num_beams):
             request = StepRequest(
@@ -175,5 +188,6 @@ async def beam_search(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
             )
             result = await target.step(request)
             assert result.scores is not None
-            beam_step(state, *_candidates(result.scores, params.num_beams), eos_ids)
+            ctx.stats.expansions += result.scores.rows
+            beam_step(state, *candidates(result.scores, params.num_beams), eos_ids)
     yield finish_beams(ctx, state)

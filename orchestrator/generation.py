@@ -19,6 +19,7 @@ import torch
 from opentelemetry.trace import Span, SpanKind
 from specwire.orchestrator import params as request_params
 from specwire.orchestrator.beam import beam_search
+from specwire.orchestrator.best_first import best_first_beam
 from specwire.orchestrator.context import BeamSequence, DecodeContext
 from specwire.orchestrator.contrastive import contrastive
 from specwire.orchestrator.entropix_strategy import entropix
@@ -49,6 +50,7 @@ STRATEGIES: dict[str, Strategy] = {
     "speculative": speculative,
     "entropix": entropix,
     "medusa": medusa,
+    "best_first_beam": best_first_beam,
 }
 
 

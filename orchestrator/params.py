@@ -18,7 +18,9 @@ from specwire.errors import InvalidArgument, check_token_ids
 from specwire.medusa import build_tree
 from specwire.processing import ProcessingConfig
 
-STRATEGIES = ("greedy", "sample", "beam", "speculative", "contrastive", "entropix", "medusa")
+STRATEGIES = ("greedy", "sample", "beam", "speculative", "contrastive", "entropix", "medusa", "best_first_beam")
+# Beam search proper: num_beams defaults to 4, sampling warpers do not apply.
+BEAM_STRATEGIES = ("beam", "best_first_beam")
 # Enum values by lowercase name (the SDK's and CLI's spelling); UNSPECIFIED (0) means the first.
 STRATEGY_VALUES = {name: orchestrator_pb2.Strategy.Value(f"STRATEGY_{name.upper()}") for name in STRATEGIES}
 EARLY_STOPPING_VALUES = {
@@ -177,21 +179,24 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     if ngram < 0:
         raise InvalidArgument("no_repeat_ngram_size", f"must be ≥ 0 (0 = off), got {ngram}")
 
-    num_beams = int(_opt(request, "num_beams", 4 if strategy == "beam" else 1))
+    num_beams = int(_opt(request, "num_beams", 4 if strategy in BEAM_STRATEGIES else 1))
     if not 1 <= num_beams <= MAX_BEAMS:
         raise InvalidArgument("num_beams", f"must be in [1, {MAX_BEAMS}], got {num_beams}")
-    if num_beams > 1 and strategy not in ("beam", "contrastive"):
-        raise InvalidArgument("num_beams", f"beams need strategy 'beam' or 'contrastive', got {strategy!r}")
+    if num_beams > 1 and strategy not in (*BEAM_STRATEGIES, "contrastive"):
+        raise InvalidArgument("num_beams", f"beams need strategy 'beam', 'best_first_beam' or 'contrastive', got {strategy!r}")
     num_return = int(_opt(request, "num_return_sequences", 1))
     if not 1 <= num_return <= num_beams:
         raise InvalidArgument("num_return_sequences", f"must be in [1, num_beams={num_beams}], got {num_return}")
-    length_penalty = _finite(_opt(request, "length_penalty", 1.0), "length_penalty")
+    default_penalty = 0.0 if strategy == "best_first_beam" else 1.0
+    length_penalty = _finite(_opt(request, "length_penalty", default_penalty), "length_penalty")
     if not -MAX_LENGTH_PENALTY <= length_penalty <= MAX_LENGTH_PENALTY:
         raise InvalidArgument(
             "length_penalty", f"must be in [{-MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], got {length_penalty}"
         )
     early: dict[str, bool | str] = {"false": False, "true": True, "never": "never"}
     early_stopping = early[enum_name(request, "early_stopping", EARLY_STOPPING_VALUES)]
+    if strategy == "best_first_beam":
+        check_best_first(length_penalty, early_stopping)
 
     gamma = int(_opt(request, "num_speculative_tokens", 0))
     if not 0 <= gamma <= MAX_SPECULATIVE_TOKENS:
@@ -233,7 +238,7 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     warpers_set = [name for name in SAMPLING_FIELDS if request.HasField(name)]
     sampling_asked = strategy == "sample" or (strategy in ("speculative", "contrastive", "medusa") and bool(warpers_set))
     entropix = entropix_config(request, temperature, top_k, top_p, min_p, limits.vocab_size) if base else None
-    if strategy == "beam" and warpers_set:
+    if strategy in BEAM_STRATEGIES and warpers_set:
         raise InvalidArgument(warpers_set[0], "beam search here is deterministic; sampling warpers do not apply")
     if strategy == "contrastive" and num_beams > 1 and sampling_asked and temperature > 0:
         raise InvalidArgument(warpers_set[0], "contrastive beam search is deterministic; sampling warpers do not apply")
@@ -273,6 +278,23 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
         posterior_alpha=posterior_alpha,
         do_sample=sampling_asked and temperature > 0,
     )
+
+
+def check_best_first(length_penalty: float, early_stopping: bool | str) -> None:
+    """Best-first beam search returns beam's result only where popping best first is sound: a
+    score that never rises as a hypothesis grows (length_penalty 0), and beam's stop that waits
+    until no running beam can do better (early_stopping false or never)."""
+    if length_penalty != 0.0:
+        raise InvalidArgument(
+            "length_penalty",
+            f"best_first_beam needs 0 (a score that only falls as a hypothesis grows), got {length_penalty}",
+        )
+    if early_stopping is True:
+        raise InvalidArgument(
+            "early_stopping",
+            "best_first_beam stops when no hypothesis can do better (false or never); true would stop "
+            "at the first num_beams hypotheses, which best-first order does not find",
+        )
 
 
 def entropix_config(

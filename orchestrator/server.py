@@ -129,6 +129,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             draft_capabilities=draft.capabilities if draft else [],
             target_capabilities=target.capabilities,
             replicas=self._replicas_pb(),
+            tokenizer_source=decoder.tokenizer.name_or_path,
         )
 
 

@@ -16,6 +16,8 @@ class RunStats:
     rounds: int = 0
     wall_ms: float = 0.0
     ttft_ms: float = 0.0
+    # Beam search: target rows scored (hypotheses whose next-token distribution was computed).
+    expansions: int = 0
     target: CallStats = field(default_factory=CallStats)
     draft: CallStats = field(default_factory=CallStats)
     # Speculative decoding.
@@ -115,6 +117,7 @@ class RunStats:
             differs_from_expert_rate=self.differs_from_expert / steps if self.contrastive_steps else 0.0,
             sessions_rebuilt=target.rebuilds + draft.rebuilds,
             entropix_states=self.entropix_states,
+            expansions=self.expansions,
             medusa_tree_size=self.tree_nodes / self.tree_rounds if self.tree_rounds else 0.0,
             medusa_head_acceptance=[count / self.tree_rounds for count in self.head_accepted],
         )

@@ -42,6 +42,8 @@ class ModelServiceConfig:
     engine: str = "batched"  # "batched" (slot cache, batching scheduler) or "hf" (transformers' forward)
     # torch.compile of the batched forward: auto (where it pays), on, off; see compile_default
     compile: str = field(default_factory=compile_default)
+    quantize: str = "auto"  # linear weights: none, int8, int4, auto (specwire.engine.quantize)
+    gguf_file: str | None = None  # with a directory `model`: the GGUF file in it
     threads: int = 0  # torch's intra-op threads; 0 = torch's default (every core)
     drafter: str = "model"  # draft only: "model" or "ngram"
     ngram_max: int = 3  # n-gram drafter: longest n-gram matched
@@ -76,3 +78,20 @@ class OrchestratorConfig:
     services_tls: ClientTLS | None = None  # the hops to the model services; None: plaintext
     auth_token_file: str | None = None  # bearer tokens the public API accepts; None: open
     health_port: int = 0  # a plaintext health-only port for probes (0: none)
+
+
+@dataclass(frozen=True)
+class HttpFrontConfig:
+    """`specwire serve http`: the OpenAI-compatible HTTP front over one orchestrator."""
+
+    orchestrator: str = "127.0.0.1:50051"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tokenizer: str | None = None  # directory or hub id for chat templates; None = the orchestrator's
+    chat_template: str | None = None  # a Jinja file used instead of the tokenizer's own template
+    model_name: str | None = None  # the model id listed and accepted; None = the orchestrator's target
+    auth_token_file: str | None = None  # bearer tokens HTTP callers must send; None: open
+    orchestrator_token: str | None = None  # the bearer token this front sends to the orchestrator
+    orchestrator_tls: ClientTLS | None = None  # None: plaintext to the orchestrator
+    connect_timeout_s: float = 60.0  # how long to wait for the orchestrator at start
+    grace_s: float = 10.0  # open streams' time to finish after SIGTERM

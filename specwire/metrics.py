@@ -29,7 +29,7 @@ from prometheus_client import (
     start_http_server,
 )
 
-from specwire.slot_cache import CacheUsage
+from specwire.session import CacheUsage
 
 # 50 µs … 10 s: a round of a tiny model on loopback up to a large one across hosts.
 LATENCY_BUCKETS = (

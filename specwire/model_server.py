@@ -36,6 +36,8 @@ def load_engine(
         device=config.device,
         dtype=config.dtype,
         name=config.model or default_name,
+        quantization=config.quantize,
+        gguf_file=config.gguf_file,
     )
     medusa = config.medusa or (default_medusa if not config.model else None)
     if medusa:
@@ -46,6 +48,7 @@ def load_engine(
         max_queued_sessions=config.max_queued_sessions,
         batching=config.engine == "batched",
         compile=config.compile,
+        compile_in_background=True,
     )
     engine = Engine(lm, role=config.role, limits=limits)
     engine.warmup()

@@ -17,7 +17,6 @@ import torch
 
 from specwire.entropy_metrics import PositionMetrics
 from specwire.processing import ProcessingConfig
-from specwire.slot_cache import CacheUsage
 
 
 class ScoreKind(enum.IntEnum):
@@ -154,6 +153,19 @@ class StepResult:
 
 
 @dataclass(frozen=True)
+class CacheUsage:
+    """What `Info` and the metrics report about the cache."""
+
+    rows: int
+    rows_in_use: int
+    max_len: int
+    tokens_in_use: int
+    bytes_in_use: int
+    bytes_total: int
+    waiting: int
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     model_name: str
     vocab_size: int
@@ -171,6 +183,8 @@ class ModelInfo:
     # and ms a token of an 8-token greedy round. Empty / 0 when not measured.
     forward_costs: list[tuple[int, float]] = field(default_factory=list)
     decode_ms_per_token: float = 0.0
+    quantization: str = "none"  # the linear weights: none, int8, int4
+    compiled: bool = False  # forwards run compiled code now
 
 
 class BackendSession(Protocol):

@@ -15,6 +15,7 @@ from specwire.entropy_metrics import AttentionStats, PositionMetrics
 from specwire.errors import InvalidArgument
 from specwire.processing import ProcessingConfig
 from specwire.session import (
+    CacheUsage,
     Extras,
     ModelInfo,
     OpenRequest,
@@ -27,7 +28,6 @@ from specwire.session import (
     Verdict,
     Verification,
 )
-from specwire.slot_cache import CacheUsage
 from specwire.v1 import common_pb2, model_pb2
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -325,6 +325,8 @@ def info_to_pb(info: ModelInfo) -> model_pb2.ModelInfo:
         cache=cache_to_pb(info.cache) if info.cache is not None else None,
         forward_costs=[model_pb2.ForwardCost(positions=n, ms=ms) for n, ms in info.forward_costs],
         decode_ms_per_token=info.decode_ms_per_token,
+        quantization=info.quantization,
+        compiled=info.compiled,
     )
 
 
@@ -356,6 +358,8 @@ def info_from_pb(message: model_pb2.ModelInfo) -> ModelInfo:
         cache=cache_from_pb(message.cache) if message.HasField("cache") else None,
         forward_costs=[(cost.positions, cost.ms) for cost in message.forward_costs],
         decode_ms_per_token=message.decode_ms_per_token,
+        quantization=message.quantization or "none",
+        compiled=message.compiled,
     )
 
 

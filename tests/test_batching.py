@@ -19,8 +19,8 @@ from specwire.client.sdk import GenerateResult, GenerationError, build_request
 from specwire.orchestrator.generation import Decoder
 from specwire.orchestrator.models import LocalModel
 
-from specwire.batching import ForwardJob, score_selection
 from specwire.engine import CausalLM, Engine, EngineLimits, SlotKV
+from specwire.engine.scheduler import ForwardJob, score_selection
 from specwire.entropy_metrics import PositionMetrics, token_entropy
 from specwire.errors import ResourceExhausted
 from specwire.processing import ProcessingConfig

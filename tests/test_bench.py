@@ -24,6 +24,8 @@ from specwire.orchestrator.speedup import (
     time_per_token_ms,
 )
 
+from tests.tiny import save_llama
+
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRED_FIELDS = [
     "name",
@@ -37,6 +39,10 @@ REQUIRED_FIELDS = [
     "efficiency",
     "bytes_per_round",
     "overhead_ms_per_round",
+    "expansions_per_generation",
+    "expansions_ratio_vs_beam",
+    "wall_ratio_vs_beam",
+    "matches_beam",
 ]
 
 
@@ -106,19 +112,25 @@ def bench_report(llama_target_dir: Path, llama_draft_dir: Path, llama_heads_dir:
         warmup=False,
         show_progress=False,
         medusa=str(llama_heads_dir),
+        rows=BENCH_ROWS,
     )
     return bench.run_bench(config)
 
 
+# llama.cpp needs llama-cpp-python (a long native build) and a GGUF: its row has a test of its own.
+BENCH_ROWS = tuple(name for name in bench.ROW_NAMES if name != "llamacpp")
+
+
 def test_bench_reports_every_row_and_field(bench_report: dict[str, Any]) -> None:
     rows = {row["name"]: row for row in bench_report["rows"]}
-    assert list(rows) == bench.ROW_NAMES
+    assert list(rows) == list(BENCH_ROWS)
     for row in rows.values():
         assert row["error"] is None, (row["name"], row["error"])
         for name in REQUIRED_FIELDS:
             assert name in row, (row["name"], name)
         assert row["tokens_per_s"] > 0
-        assert row["new_tokens_per_repeat"] == 8
+        beam = row["group"] == bench.BEAM_GROUP  # beam rows end at eos
+        assert row["new_tokens_per_repeat"] <= 8 if beam else row["new_tokens_per_repeat"] == 8
     meta = bench_report["metadata"]
     assert (meta["prompts"], meta["max_new_tokens"], meta["repeats"], meta["gamma"]) == (1, 8, 1, 4)
     assert meta["machine"]["cpu_count"] and meta["parameters"]["target"] > meta["parameters"]["draft"] > 0
@@ -136,8 +148,8 @@ def test_bench_figures_are_consistent(bench_report: dict[str, Any]) -> None:
     for row in rows.values():
         if row["name"] == "specwire_speculative_sampled":
             continue
-        sampled = row["group"] in ("specwire_sampled", "specwire_medusa_sampled")
-        assert row["matches_hf_target"] == (None if sampled else 1.0), row["name"]
+        compared = row["group"] not in ("specwire_sampled", "specwire_medusa_sampled", bench.BEAM_GROUP)
+        assert row["matches_hf_target"] == (1.0 if compared else None), row["name"]
     assert rows["specwire_speculative_sampled"]["bytes_per_round"] > 0
     cost = bench_report["metadata"]["entropix_metrics_cost"]
     assert cost["step_ms"] > 0 and cost["step_with_metrics_ms"] > 0
@@ -159,6 +171,15 @@ def test_bench_figures_are_consistent(bench_report: dict[str, Any]) -> None:
     assert spec["efficiency"] == pytest.approx(spec["measured_speedup"] / spec["predicted_speedup"])
     assert spec["bytes_per_round"] > 0 and spec["overhead_ms_per_round"] >= 0
     assert rows["specwire_greedy"]["bytes_per_round"] > 0
+    # Beam rows: best-first's result is beam's; beam scores num_beams rows in every forward.
+    beam, best_first = rows["specwire_beam"], rows["specwire_best_first_beam"]
+    assert beam["expansions_per_generation"] == 4 * beam["target_forwards_per_generation"]
+    assert beam["matches_beam"] is None and best_first["matches_beam"] == 1.0
+    assert best_first["expansions_ratio_vs_beam"] == pytest.approx(
+        best_first["expansions_per_generation"] / beam["expansions_per_generation"]
+    )
+    assert best_first["wall_ratio_vs_beam"] > 0 and best_first["ratio_vs_hf_target"] is None
+    assert all(row["expansions_per_generation"] is None for row in rows.values() if row["group"] != bench.BEAM_GROUP)
     assert rows["specwire_speculative_sequential"]["pipelined_round_share"] == 0.0
     # A fixed γ never falls back; only a last round with nothing left to draft is target-only.
     assert rows["specwire_speculative_sequential"]["speculation_off_rounds_per_generation"] <= 1.0
@@ -170,7 +191,7 @@ def test_bench_figures_are_consistent(bench_report: dict[str, Any]) -> None:
 def test_bench_markdown_and_cli_output(bench_report: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     table = report.render(bench_report)
-    assert all(f"| {name} |" in table for name in bench.ROW_NAMES)
+    assert all(f"| {name} |" in table for name in BENCH_ROWS)
     monkeypatch.setattr(bench, "run_bench", lambda config: bench_report)
     out = tmp_path / "bench.json"
     parser = argparse.ArgumentParser()
@@ -199,6 +220,11 @@ ROW_COLUMNS = {
     "α": "alpha", "tok/target fwd": "tokens_per_target_forward", "c": "cost_ratio_c", "predicted": "predicted_speedup",
     "efficiency": "efficiency", "bytes/round": "bytes_per_round", "overhead ms/round": "overhead_ms_per_round",
     "= HF target": "matches_hf_target",
+}
+BEAM_COLUMNS = {
+    "target rows scored / generation": "expansions_per_generation", "target forwards / generation":
+    "target_forwards_per_generation", "rows × beam": "expansions_ratio_vs_beam", "wall × beam": "wall_ratio_vs_beam",
+    "= beam": "matches_beam",
 }
 STREAM_COLUMNS = {
     "aggregate tok/s": "aggregate_tokens_per_s", "× one stream": "ratio_vs_one_stream", "p50 ms/token": "p50_token_ms",
@@ -248,6 +274,13 @@ def assert_tables_agree(rendered: str, data: dict[str, Any], headline: bool) -> 
                 assert headline
         if headline:
             assert cells["what it runs"] == row["description"]
+    beams = [row for row in data["rows"] if row["group"] == "specwire_beam" and not row["error"]]
+    if beams and not headline:
+        shown_beams = next(table for table in tables if "= beam" in table[0])
+        assert [cells["row"] for cells in shown_beams] == [row["name"] for row in beams]
+        for cells, row in zip(shown_beams, beams, strict=True):
+            for header, key in BEAM_COLUMNS.items():
+                assert_cell_shows(cells[header], row[key])
     if data.get("concurrency") and not headline:
         for cells, entry in zip(tables[1], data["concurrency"], strict=True):
             assert (cells["strategy"], int(cells["streams"])) == (entry["strategy"], entry["streams"])
@@ -278,7 +311,8 @@ def test_bench_rtt_flag_reaches_the_config() -> None:
 
 
 def test_bench_reports_a_failing_row_instead_of_crashing() -> None:
-    results = {"hf_target": bench.RowResult(bench.ROWS[0]), "specwire_speculative": bench.RowResult(bench.ROWS[6])}
+    specs = {row.name: row for row in bench.ROWS}
+    results = {name: bench.RowResult(specs[name]) for name in ("hf_target", "specwire_speculative")}
     results["hf_target"].samples = [[bench.Sample(token_ids=[1, 2], seconds=0.1)]]
     results["specwire_speculative"].error = "INVALID_ARGUMENT: strategy 'speculative' is not available"
     rows = {row["name"]: row for row in bench.summarize(results)}
@@ -349,9 +383,10 @@ def test_bounds_times_the_engine_and_reports_consistent_ratios(llama_target_dir:
     """`specwire bounds` end to end on tiny models (eager here: the suite does not compile)."""
     args = argparse.Namespace(
         target_model=str(llama_target_dir), draft_model=str(llama_draft_dir), medusa="", medusa_prompts=1,
-        threads=1, repeats=2,
+        threads=1, repeats=2, quantize="none",
     )
     measured = bounds.measure(args)
+    assert measured["quantization"] == {"target": "none", "draft": "none"}
     costs = measured["target"]["forward_costs_ms"]
     assert list(costs) == list(bounds.POSITIONS) and all(ms > 0 for ms in costs.values())
     assert measured["target"]["greedy_ms_per_token"] > 0 and measured["draft"]["greedy_ms_per_token"] > 0
@@ -392,3 +427,26 @@ def assert_bounds_tables_agree(data: dict[str, Any]) -> None:
         for rows, ratio in product["times_one_row"].items():
             if rows != "1":
                 assert_cell_shows(cells[f"{rows} rows"], ratio)
+
+
+def test_llamacpp_row_runs_the_targets_gguf(models_dir: Path, tokenizer: Any) -> None:
+    """llama.cpp on the same weights as a GGUF file: the same greedy tokens as transformers'."""
+    pytest.importorskip("llama_cpp")
+    from transformers import AutoModelForCausalLM
+
+    from tests.gguf_tiny import write_llama_gguf
+
+    source = models_dir / "llamacpp-source"
+    if not source.exists():
+        save_llama(source, tokenizer, seed=5)
+    gguf = write_llama_gguf(AutoModelForCausalLM.from_pretrained(source), tokenizer, source / "gguf" / "tiny.gguf")
+    assert bench.llamacpp.find_gguf(str(source)) == gguf
+    report = bench.run_bench(bench.BenchConfig(
+        target_model=str(source), draft_model=str(source), prompts=["def add(a, b):\n"], max_new_tokens=8,
+        repeats=1, device="cpu", dtype="float32", warmup=False, show_progress=False,
+        rows=("hf_target", "llamacpp"), target_threads=1,
+    ))
+    rows = {row["name"]: row for row in report["rows"]}
+    assert rows["llamacpp"]["error"] is None and rows["llamacpp"]["new_tokens_per_repeat"] == 8
+    assert rows["llamacpp"]["ratio_vs_hf_target"] > 0 and report["metadata"]["llamacpp_gguf"] == str(gguf)
+    assert rows["llamacpp"]["matches_hf_target"] == 1.0

@@ -19,7 +19,7 @@ from specwire.session import Extras, OpenRequest, ScoreKind, Scoring, StepReques
 
 EXTRAS = Extras(entropy=True, varentropy=True, attention_stats=True)
 PROMPT = [5, 17, 42, 8, 99, 23, 61, 7, 150, 3, 77]
-# Longer than one prefill chunk (`specwire.batching.PREFILL_CHUNK`): the scores come from chunks.
+# Longer than one prefill chunk (`specwire.engine.scheduler.PREFILL_CHUNK`): the scores come from chunks.
 LONG_PROMPT = [(13 * i + 5) % 300 for i in range(70)]
 
 

@@ -351,7 +351,7 @@ def test_draft_loss_falls_back_to_target_only_rounds(
                 client.generate(prompt=PROMPTS[0], strategy=strategy, max_new_tokens=4)
             assert refused.value.code == grpc.StatusCode.UNAVAILABLE
             assert refused.value.message.startswith("draft:"), refused.value.message
-        assert sorted(client.info().strategies) == ["beam", "entropix", "greedy", "sample"]
+        assert sorted(client.info().strategies) == ["beam", "best_first_beam", "entropix", "greedy", "sample"]
         greedy = client.generate(prompt=PROMPTS[0], strategy="greedy", max_new_tokens=300, ignore_eos=True)
         assert greedy.token_ids == expected.token_ids
 

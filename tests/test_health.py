@@ -115,7 +115,7 @@ def test_a_dead_draft_takes_only_the_draft_strategies_away(children: dict[str, C
     children["draft"].kill()
     seconds_until(lambda: not DRAFT_STRATEGIES & set(client.info().strategies), FOLLOW_S)
     # Entropix stays: it takes the draft only when asked to speculate.
-    assert sorted(client.info().strategies) == ["beam", "entropix", "greedy", "sample"]
+    assert sorted(client.info().strategies) == ["beam", "best_first_beam", "entropix", "greedy", "sample"]
     assert health(address, ORCHESTRATOR) == "SERVING"  # the target still serves
     speculating = [{"strategy": name} for name in sorted(DRAFT_STRATEGIES)]
     speculating.append({"strategy": "entropix", "num_speculative_tokens": 2})

@@ -9,8 +9,8 @@ from typing import Any
 
 from specwire.client import Client
 
-from specwire.batching import ForwardJob
 from specwire.engine import Engine
+from specwire.engine.scheduler import ForwardJob
 from tests.harness import Stack
 
 pytest_plugins = ["tests.medusa_fixtures"]

@@ -97,7 +97,7 @@ def test_wheel_holds_one_package_and_works_from_a_fresh_venv(tmp_path: Path) -> 
     for needed in ["specwire/v1/orchestrator_pb2.py", "specwire/v1/orchestrator_pb2_grpc.py", "specwire/v1/model_pb2.py",
                    "specwire/v1/common_pb2.py", "specwire/v1/orchestrator.proto", "specwire/v1/model.proto",
                    "specwire/v1/common.proto", "specwire/client/sdk.py", "specwire/bench/bench.py",
-                   "specwire/demo/pair/target/config.json", "specwire/demo/pair/draft/config.json"]:
+                   "specwire/openai_http/server.py", "specwire/demo/pair/target/config.json", "specwire/demo/pair/draft/config.json"]:
         assert needed in names, f"{needed} is not in the wheel"
     assert any(n.startswith("specwire/demo/pair/target/") and n.endswith(".safetensors") for n in names)
 
@@ -119,8 +119,8 @@ def test_wheel_holds_one_package_and_works_from_a_fresh_venv(tmp_path: Path) -> 
                              capture_output=True, text=True, timeout=120)
     assert version.returncode == 0 and version.stdout.startswith("specwire "), version.stderr
     code = ("from specwire.client import AsyncClient, Client\n"
-            "import specwire, specwire.v1.orchestrator_pb2 as pb\n"
-            "print(specwire.__file__); print(pb.__file__)")
+            "import specwire, specwire.v1.orchestrator_pb2 as pb, specwire.openai_http.server as front\n"
+            "print(specwire.__file__); print(pb.__file__); print(front.__file__)")
     imported = subprocess.run([str(python), "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
     assert imported.returncode == 0, imported.stderr
     for path in imported.stdout.split():

@@ -113,3 +113,52 @@ def save_qwen2(path: Path, tokenizer: PreTrainedTokenizerFast, seed: int) -> Pat
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def _save(model: torch.nn.Module, path: Path, tokenizer: PreTrainedTokenizerFast, sharpen: float = 8.0) -> Path:
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(sharpen)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def save_qwen3(path: Path, tokenizer: PreTrainedTokenizerFast, seed: int) -> Path:
+    """A random Qwen3 (q/k RMSNorm, grouped-query attention, an explicit head_dim)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
+    )
+    return _save(Qwen3ForCausalLM(config), path, tokenizer)
+
+
+def save_mistral(path: Path, tokenizer: PreTrainedTokenizerFast, seed: int, window: int = 8) -> Path:
+    """A random Mistral whose sliding window (`window` tokens) is shorter than the tests' texts."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, sliding_window=window,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
+    )
+    return _save(MistralForCausalLM(config), path, tokenizer)
+
+
+def save_gemma3(path: Path, tokenizer: PreTrainedTokenizerFast, seed: int, window: int = 8) -> Path:
+    """A random Gemma-3 shaped like Gemma-3-270M in small: sliding layers of `window` tokens and
+    a global one, one key/value head, q/k norms, a tied, scaled embedding."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
+        sliding_window=window, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=512, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+    return _save(Gemma3ForCausalLM(config), path, tokenizer)

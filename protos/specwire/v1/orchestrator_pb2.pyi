@@ -17,6 +17,7 @@ class Strategy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STRATEGY_CONTRASTIVE: _ClassVar[Strategy]
     STRATEGY_ENTROPIX: _ClassVar[Strategy]
     STRATEGY_MEDUSA: _ClassVar[Strategy]
+    STRATEGY_BEST_FIRST_BEAM: _ClassVar[Strategy]
 
 class MedusaAcceptance(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -51,6 +52,7 @@ STRATEGY_SPECULATIVE: Strategy
 STRATEGY_CONTRASTIVE: Strategy
 STRATEGY_ENTROPIX: Strategy
 STRATEGY_MEDUSA: Strategy
+STRATEGY_BEST_FIRST_BEAM: Strategy
 MEDUSA_ACCEPTANCE_UNSPECIFIED: MedusaAcceptance
 MEDUSA_ACCEPTANCE_LOSSLESS: MedusaAcceptance
 MEDUSA_ACCEPTANCE_TYPICAL: MedusaAcceptance
@@ -225,7 +227,7 @@ class Sequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "new_tokens", "rounds", "target_forwards", "draft_forwards", "wall_ms", "ttft_ms", "target_compute_ms", "target_queue_ms", "target_network_ms", "draft_compute_ms", "draft_queue_ms", "draft_network_ms", "orchestrator_ms", "target_bytes_sent", "target_bytes_received", "draft_bytes_sent", "draft_bytes_received", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "accepted_length_histogram", "tokens_per_target_forward", "corrections", "bonus_tokens", "bytes_per_round", "speculation_off_rounds", "target_only_tokens", "pipelined_rounds", "pipeline_misses", "mean_gamma", "alpha_estimate", "draft_ms_per_token_estimate", "verify_ms_estimate", "target_ms_per_token_estimate", "trip_ms_estimate", "expert_ms_per_step", "amateur_ms_per_step", "mean_valid_set_size", "differs_from_expert_rate", "sessions_rebuilt", "entropix_states", "medusa_tree_size", "medusa_head_acceptance")
+    __slots__ = ("prompt_tokens", "new_tokens", "rounds", "target_forwards", "draft_forwards", "wall_ms", "ttft_ms", "target_compute_ms", "target_queue_ms", "target_network_ms", "draft_compute_ms", "draft_queue_ms", "draft_network_ms", "orchestrator_ms", "target_bytes_sent", "target_bytes_received", "draft_bytes_sent", "draft_bytes_received", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "accepted_length_histogram", "tokens_per_target_forward", "corrections", "bonus_tokens", "bytes_per_round", "speculation_off_rounds", "target_only_tokens", "pipelined_rounds", "pipeline_misses", "mean_gamma", "alpha_estimate", "draft_ms_per_token_estimate", "verify_ms_estimate", "target_ms_per_token_estimate", "trip_ms_estimate", "expert_ms_per_step", "amateur_ms_per_step", "mean_valid_set_size", "differs_from_expert_rate", "sessions_rebuilt", "entropix_states", "expansions", "medusa_tree_size", "medusa_head_acceptance")
     class EntropixStatesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +278,7 @@ class GenerationStats(_message.Message):
     DIFFERS_FROM_EXPERT_RATE_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_REBUILT_FIELD_NUMBER: _ClassVar[int]
     ENTROPIX_STATES_FIELD_NUMBER: _ClassVar[int]
+    EXPANSIONS_FIELD_NUMBER: _ClassVar[int]
     MEDUSA_TREE_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEDUSA_HEAD_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
@@ -321,9 +324,10 @@ class GenerationStats(_message.Message):
     differs_from_expert_rate: float
     sessions_rebuilt: int
     entropix_states: _containers.ScalarMap[str, int]
+    expansions: int
     medusa_tree_size: float
     medusa_head_acceptance: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., wall_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., target_compute_ms: _Optional[float] = ..., target_queue_ms: _Optional[float] = ..., target_network_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., draft_queue_ms: _Optional[float] = ..., draft_network_ms: _Optional[float] = ..., orchestrator_ms: _Optional[float] = ..., target_bytes_sent: _Optional[int] = ..., target_bytes_received: _Optional[int] = ..., draft_bytes_sent: _Optional[int] = ..., draft_bytes_received: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_length_histogram: _Optional[_Iterable[int]] = ..., tokens_per_target_forward: _Optional[float] = ..., corrections: _Optional[int] = ..., bonus_tokens: _Optional[int] = ..., bytes_per_round: _Optional[float] = ..., speculation_off_rounds: _Optional[int] = ..., target_only_tokens: _Optional[int] = ..., pipelined_rounds: _Optional[int] = ..., pipeline_misses: _Optional[int] = ..., mean_gamma: _Optional[float] = ..., alpha_estimate: _Optional[float] = ..., draft_ms_per_token_estimate: _Optional[float] = ..., verify_ms_estimate: _Optional[float] = ..., target_ms_per_token_estimate: _Optional[float] = ..., trip_ms_estimate: _Optional[float] = ..., expert_ms_per_step: _Optional[float] = ..., amateur_ms_per_step: _Optional[float] = ..., mean_valid_set_size: _Optional[float] = ..., differs_from_expert_rate: _Optional[float] = ..., sessions_rebuilt: _Optional[int] = ..., entropix_states: _Optional[_Mapping[str, int]] = ..., medusa_tree_size: _Optional[float] = ..., medusa_head_acceptance: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., wall_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., target_compute_ms: _Optional[float] = ..., target_queue_ms: _Optional[float] = ..., target_network_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., draft_queue_ms: _Optional[float] = ..., draft_network_ms: _Optional[float] = ..., orchestrator_ms: _Optional[float] = ..., target_bytes_sent: _Optional[int] = ..., target_bytes_received: _Optional[int] = ..., draft_bytes_sent: _Optional[int] = ..., draft_bytes_received: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_length_histogram: _Optional[_Iterable[int]] = ..., tokens_per_target_forward: _Optional[float] = ..., corrections: _Optional[int] = ..., bonus_tokens: _Optional[int] = ..., bytes_per_round: _Optional[float] = ..., speculation_off_rounds: _Optional[int] = ..., target_only_tokens: _Optional[int] = ..., pipelined_rounds: _Optional[int] = ..., pipeline_misses: _Optional[int] = ..., mean_gamma: _Optional[float] = ..., alpha_estimate: _Optional[float] = ..., draft_ms_per_token_estimate: _Optional[float] = ..., verify_ms_estimate: _Optional[float] = ..., target_ms_per_token_estimate: _Optional[float] = ..., trip_ms_estimate: _Optional[float] = ..., expert_ms_per_step: _Optional[float] = ..., amateur_ms_per_step: _Optional[float] = ..., mean_valid_set_size: _Optional[float] = ..., differs_from_expert_rate: _Optional[float] = ..., sessions_rebuilt: _Optional[int] = ..., entropix_states: _Optional[_Mapping[str, int]] = ..., expansions: _Optional[int] = ..., medusa_tree_size: _Optional[float] = ..., medusa_head_acceptance: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class EntropixDecision(_message.Message):
     __slots__ = ("state", "entropy", "varentropy", "attn_entropy", "attn_varentropy", "agreement", "interaction_strength", "temperature", "top_p", "top_k", "min_p", "clarified")
@@ -390,7 +394,7 @@ class OrchestratorInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class OrchestratorInfo(_message.Message):
-    __slots__ = ("target_model", "draft_model", "vocab_size", "max_context", "max_new_tokens_limit", "strategies", "draft_capabilities", "target_capabilities", "replicas")
+    __slots__ = ("target_model", "draft_model", "vocab_size", "max_context", "max_new_tokens_limit", "strategies", "draft_capabilities", "target_capabilities", "replicas", "tokenizer_source")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -400,6 +404,7 @@ class OrchestratorInfo(_message.Message):
     DRAFT_CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     TARGET_CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_SOURCE_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     vocab_size: int
@@ -409,7 +414,8 @@ class OrchestratorInfo(_message.Message):
     draft_capabilities: _containers.RepeatedScalarFieldContainer[str]
     target_capabilities: _containers.RepeatedScalarFieldContainer[str]
     replicas: _containers.RepeatedCompositeFieldContainer[Replica]
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., strategies: _Optional[_Iterable[str]] = ..., draft_capabilities: _Optional[_Iterable[str]] = ..., target_capabilities: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+    tokenizer_source: str
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., strategies: _Optional[_Iterable[str]] = ..., draft_capabilities: _Optional[_Iterable[str]] = ..., target_capabilities: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., tokenizer_source: _Optional[str] = ...) -> None: ...
 
 class Replica(_message.Message):
     __slots__ = ("role", "address", "state", "active_sessions", "sessions_opened", "failures")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from specwire.errors import ResourceExhausted
+from specwire.session import CacheUsage
 
 SLACK = 64  # positions past max_len a padding token may be written to; longer jobs never pad
 
@@ -42,19 +43,6 @@ class CacheShape:
     @property
     def bytes(self) -> int:
         return self.bytes_per_token * (self.rows + 1) * (self.max_len + SLACK)
-
-
-@dataclass(frozen=True)
-class CacheUsage:
-    """What `Info` and the metrics report about the cache."""
-
-    rows: int
-    rows_in_use: int
-    max_len: int
-    tokens_in_use: int
-    bytes_in_use: int
-    bytes_total: int
-    waiting: int
 
 
 class SlotCache:

@@ -1,31 +1,36 @@
-"""A lean batched forward over Hugging Face weights, reading and writing the slot cache.
+"""The engine's batched forward over a transformers model, reading and writing the slot cache.
 
 One call runs any mix of rows: each row brings its own new tokens, the cache slots they are
-written to, their positions (rotary or learned) and which cache slots each new token attends to.
-That one shape covers decoding (1 token), verification (γ+1), short prefills, and tree
-verification (positions = depth, `key_mask` = ancestors; Medusa). The call returns the final,
-normed hidden states of the new tokens (for Medusa heads), the logits of the positions asked
-for, and, when asked, entropix's metrics: the token entropy of those logits and the statistics
-of the last layer's attention scores of chosen rows and tokens, computed for those alone (the
-other rows of the batch pay nothing for them). Everything after the last layer is part of the
-call so that compiled code fuses the head's and the metrics' small ops with the rest.
+written to, their positions and which cache slots each new token attends to. That one shape
+covers decoding (1 token), verification (γ+1), short prefills, and tree verification
+(positions = depth, `key_mask` = ancestors; Medusa). The call returns the final, normed hidden
+states of the new tokens (for Medusa heads), the logits of the positions asked for, and, when
+asked, entropix's metrics: the token entropy of those logits and the statistics of the last
+layer's attention scores of chosen rows and tokens, computed for those alone. Everything after
+the last layer is part of the call so that compiled code fuses it with the rest.
 
-The layers are the model's own modules (projections, norms, MLPs, rotary embedding), so the
-arithmetic per token is the model's; what goes is transformers' generic per-call machinery —
-mask building, cache classes, output dataclasses — which dominates a small model's decode step.
-Supported: Llama, Qwen2 (without sliding windows) and GPT-2; other models use transformers.
+`HFForward` runs any architecture whose attention goes through transformers' attention-function
+registry (`AttentionInterface`; Llama, Qwen2/3, Mistral, Gemma-3, GPT-2, …): the model's own
+modules embed, project, norm and rotate, and `slot_attention`, registered there, writes each
+layer's keys and values into the slot cache and attends with that layer's window. The mask
+builders of transformers pass the engine's 4D mask through untouched. `LlamaLike` and `GPT2Like`
+are hand-written forwards of the same contract for Llama/Qwen2 and GPT-2.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from specwire.engine.cache import CacheShape, SlotCache
 from specwire.entropy_metrics import PositionMetrics, attention_scores, attention_stats, token_entropy
-from specwire.slot_cache import CacheShape, SlotCache
 
 
 @dataclass
@@ -67,12 +72,16 @@ class LeanModel(Protocol):
     def forward(self, cache: SlotCache, batch: ForwardBatch) -> ForwardOutput: ...
 
 
-def _outputs(hidden: torch.Tensor, lm_head: Any, batch: ForwardBatch, scores: list[torch.Tensor]) -> ForwardOutput:
+def _outputs(
+    hidden: torch.Tensor, lm_head: Any, batch: ForwardBatch, scores: list[torch.Tensor], softcap: float | None = None
+) -> ForwardOutput:
     """The call's results from the final-normed hidden states [B, T, E] and the last layer's
     chosen attention scores (`_chosen_scores`; present when `batch.metrics`)."""
     if batch.logit_index is None:
         return ForwardOutput(hidden)
     logits = lm_head(hidden.flatten(0, 1).index_select(0, batch.logit_index)).float()  # [P, vocab]
+    if softcap:  # Gemma-2: logits = cap · tanh(logits / cap)
+        logits = torch.tanh(logits / softcap) * softcap
     if not scores:
         return ForwardOutput(hidden, logits)
     entropy, varentropy = token_entropy(logits)
@@ -91,6 +100,8 @@ def _attend(
     scaling: float,
     scores_out: list[torch.Tensor] | None,
     gqa: bool = False,  # fewer key/value heads than query heads
+    mask: torch.Tensor | None = None,  # [B, 1, T, L]; None: batch.key_mask (or none when dense)
+    softcap: float | None = None,  # Gemma-2's tanh cap on the scores
 ) -> torch.Tensor:
     """Write the new keys/values into their slots, attend over the rows' slots: [B, T, Hq·D]."""
     rows = batch.rows.unsqueeze(1)  # [B, 1], broadcast against slots [B, T]
@@ -105,10 +116,20 @@ def _attend(
     else:
         keys = key_store[:, :, :length].index_select(0, batch.rows)  # [B, Hkv, L, D]
         values = value_store[:, :, :length].index_select(0, batch.rows)
-    mask = None if batch.dense else batch.key_mask.unsqueeze(1)  # [B, 1, T, L]
+    if mask is None and not batch.dense:
+        mask = batch.key_mask.unsqueeze(1)  # [B, 1, T, L]
     if scores_out is not None:
         scores_out.append(_chosen_scores(query, keys, batch, scaling))
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    if softcap is not None:  # no fused kernel takes a cap: q·kᵀ, tanh cap, mask, softmax, ·v
+        groups = query.shape[1] // keys.shape[1]
+        scores = attention_scores(query, keys, scaling)  # [B, Hq, T, L] float32
+        scores = torch.tanh(scores / softcap) * softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = scores.softmax(dim=-1).to(values.dtype)
+        out = weights @ values.repeat_interleave(groups, dim=1)
+    else:
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).flatten(2)  # [B, T, Hq·D]
 
 
@@ -205,8 +226,111 @@ class GPT2Like:
         return _outputs(self.ln_f(hidden), self.lm_head, batch, scores)
 
 
-def lean_model(model: Any) -> LeanModel | None:
-    """The lean forward for this model, or None when only transformers' own forward fits."""
+ATTENTION = "specwire"  # the name our attention function is registered under in transformers
+
+
+@dataclass
+class _Pass:
+    """What the attention calls of one forward share: the cache, the batch, the masks per window."""
+
+    cache: SlotCache
+    batch: ForwardBatch
+    last_layer: int
+    scores: list[torch.Tensor]
+    masks: dict[int, torch.Tensor]
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[B, 1, T, L]: the batch's key mask, cut to the `window` slots before each token's
+        position (transformers' sliding window: key k is seen when k > q − window); None when
+        every slot is seen."""
+        batch = self.batch
+        if window is None or window >= batch.key_mask.shape[-1]:
+            return None if batch.dense else batch.key_mask.unsqueeze(1)
+        if window not in self.masks:
+            recent = torch.arange(batch.key_mask.shape[-1], device=batch.key_mask.device) > batch.positions[:, :, None] - window
+            self.masks[window] = (batch.key_mask & recent).unsqueeze(1)
+        return self.masks[window]
+
+
+def slot_attention(
+    module: Any,
+    query: torch.Tensor,  # [B, Hq, T, D], rotary applied
+    key: torch.Tensor,  # [B, Hkv, T, D]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    specwire_pass: _Pass | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function hook (`AttentionInterface`): the model's own modules
+    project, norm and rotate; here the new keys/values go into the slot cache and the queries
+    attend over their rows. Called outside an engine forward (transformers' `generate` on the
+    same model), it is transformers' SDPA (or its eager path where scores are soft-capped)."""
+    if specwire_pass is None:
+        fallback = sys.modules[type(module).__module__].eager_attention_forward if softcap else ALL_ATTENTION_FUNCTIONS["sdpa"]
+        return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                        sliding_window=sliding_window, softcap=softcap, **kwargs)
+    batch = specwire_pass.batch
+    layer = int(module.layer_idx)
+    wanted = specwire_pass.scores if batch.metrics and layer == specwire_pass.last_layer else None
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    out = _attend(query, specwire_pass.cache, layer, key, value, batch, scale, wanted,
+                  query.shape[1] != key.shape[1], specwire_pass.mask(sliding_window), softcap)
+    return out.view(*out.shape[:2], query.shape[1], query.shape[3]), None  # [B, T, Hq, D]
+
+
+AttentionInterface.register(ATTENTION, slot_attention)
+# transformers' `generate` on a model switched to ATTENTION builds the masks SDPA would get.
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+class HFForward:
+    """Any transformers causal LM over the slot cache: its own forward, with `slot_attention`.
+
+    The model's base module runs unchanged (embedding scale, norms, rotary per layer type,
+    sliding and global layers); the engine passes per-row positions and a 4D mask, which
+    transformers' mask builders hand through untouched, and our attention function applies
+    each layer's window. The LM head then runs on the scored positions only.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.base = model.base_model
+        self.lm_head = model.get_output_embeddings()
+        config = model.get_decoder().config if hasattr(model, "get_decoder") else model.config
+        self.layers = int(config.num_hidden_layers)
+        heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.dtype = model.get_input_embeddings().weight.dtype
+        model.set_attn_implementation(ATTENTION)
+
+    def cache_shape(self, rows: int, max_len: int) -> CacheShape:
+        return CacheShape(self.layers, self.kv_heads, self.head_dim, rows, max_len, self.dtype)
+
+    def forward(self, cache: SlotCache, batch: ForwardBatch) -> ForwardOutput:
+        scores: list[torch.Tensor] = []
+        shared = _Pass(cache, batch, self.layers - 1, scores, {})
+        out = self.base(
+            input_ids=batch.input_ids,
+            position_ids=batch.positions,
+            attention_mask=batch.key_mask.unsqueeze(1),  # 4D: transformers' mask builders pass it on
+            use_cache=False,
+            specwire_pass=shared,
+        )
+        return _outputs(out.last_hidden_state, self.lm_head, batch, scores, self.softcap)
+
+
+def lean_model(model: Any, generic: bool = True) -> LeanModel | None:
+    """The engine's forward for this model: `HFForward` for every architecture whose attention
+    goes through transformers' attention-function registry (`generic`), else the hand-written
+    Llama/Qwen2/GPT-2 forwards; None where none fits (transformers' own forward serves it)."""
+    if generic and getattr(model, "_supports_attention_backend", False):
+        return HFForward(model)
     config = model.config
     kind = getattr(config, "model_type", "")
     if kind == "llama" or (kind == "qwen2" and not getattr(config, "use_sliding_window", False)):

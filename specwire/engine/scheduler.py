@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
+from specwire.engine.cache import SlotCache
+from specwire.engine.forward import ForwardBatch, ForwardOutput, LeanModel, greedy_steps
 from specwire.entropy_metrics import AttentionStats, PositionMetrics
-from specwire.lean_forward import ForwardBatch, ForwardOutput, LeanModel, greedy_steps
-from specwire.slot_cache import SlotCache
+from specwire.errors import ResourceExhausted
 
 log = logging.getLogger("specwire")
 
@@ -109,66 +110,95 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._compiled: Callable[..., ForwardOutput] | None = None
         self._compiled_steps: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.compile_s = 0.0  # how long `compile` took, once it is done
 
-    def compile(self) -> bool:
-        """Run forwards through `torch.compile`; compile the common shapes now and log the time.
-        On failure log why and stay eager.
+    def compile(self, background: bool = False, on_ready: Callable[[], None] | None = None) -> bool:
+        """Run forwards through `torch.compile`: compile the common shapes, then switch to them.
+        On failure log why and stay eager. `background`: serve eagerly meanwhile and compile on
+        a thread of its own (a service is SERVING in seconds, fast once `compiled` is set);
+        `on_ready` runs there after the switch. Returns False when compilation failed (always
+        True in the background, which reports through the log and `compiled`).
 
         CPU: graphs over symbolic shapes (rows, new tokens, slots looked at), so batches of any
         size run compiled code without recompiling; torch specialises sizes of 1, hence a few
-        graphs (see below). Compiled arithmetic is not bit-identical to eager (fused
-        reductions): tokens equal, logits to ~1e-6. CUDA: CUDA graphs, which want static
-        shapes, so rows are padded to powers of two and slots to multiples of 64, one graph per
-        bucket (decode at 1, 2, 4, 8 rows compiled now). The compiled code is cached on disk
-        (TORCHINDUCTOR_CACHE_DIR) for the next start.
+        graphs (`_warm_shapes`); rarer mixes compile when first met. Compiled arithmetic is not
+        bit-identical to eager (fused reductions): tokens equal, logits to ~1e-6. CUDA: CUDA
+        graphs, which want static shapes, so rows are padded to powers of two and slots to
+        multiples of 64, one graph per bucket (decode at 1, 2, 4, 8 rows compiled now). The
+        compiled code is cached on disk (TORCHINDUCTOR_CACHE_DIR) for the next start.
         """
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "specwire" / "inductor"))
+        if not background:
+            return self._compile(on_ready)
+        threading.Thread(target=self._compile, args=(on_ready,), name="specwire-compile", daemon=True).start()
+        return True
+
+    def _compile(self, on_ready: Callable[[], None] | None) -> bool:
         cuda = self.device.type == "cuda"
         started = time.perf_counter()
         try:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            scratch = self.cache.scratch_row
             if cuda:
-                self._compiled = torch.compile(self.model.forward, mode="reduce-overhead")
-                shapes = [([scratch] * rows, 1, 1, False) for rows in (1, 2, 4, 8)]
+                forward = torch.compile(self.model.forward, mode="reduce-overhead")
+                steps = None
             else:
-                # Sizes of 1 are specialised, and gathered rows (a run of consecutive rows is
-                # read in place) are a graph of their own: three graphs for one row (a token;
-                # several, the last or all scored), two for gathered and two for consecutive
-                # rows (a token or several), and four for one session's entropix steps with its
-                # metrics (a decode step, a prompt scored at its last token, a verification
-                # scored at every token, and at its last few after an append: speculative
-                # entropix). Rarer mixes compile when first met. The consecutive rows are free
-                # ones (none is taken yet): their lengths go back to 0 below.
                 # The wrapper that calls the kernels in C++, without its per-call checks of
                 # sizes, strides and alignment: a decode step's ~30 µs of Python less.
                 checks_off = ("size_asserts", "scalar_asserts", "alignment_asserts")
                 options: dict[str, str | int | bool | Callable[..., Any]] = {"cpp_wrapper": True}
                 options.update(dict.fromkeys(checks_off, False))
-                self._compiled = torch.compile(self.model.forward, dynamic=True, options=options)
-                self._compiled_steps = torch.compile(greedy_steps, dynamic=True, options=options)
-                run = list(range(min(3, self.cache.scratch_row)))
-                shapes = [([scratch], 1, 1, False), ([scratch], 3, 1, False), ([scratch], 3, 3, False),
-                          ([scratch] * 3, 1, 1, False), ([scratch] * 3, 3, 1, False),
-                          ([scratch], 1, 1, True), ([scratch], 3, 1, True), ([scratch], 3, 3, True),
-                          ([scratch], 4, 3, True)]
-                if len(run) > 1:
-                    shapes += [(run, 1, 1, False), (run, 3, 1, False)]
+                forward = torch.compile(self.model.forward, dynamic=True, options=options)
+                steps = torch.compile(greedy_steps, dynamic=True, options=options)
+            self._warm_shapes(forward, steps)
+        except Exception as error:  # any compiler failure: serve eagerly
+            log.warning("torch.compile failed, serving eagerly: %s: %s", type(error).__name__, error)
+            return False
+        self._compiled, self._compiled_steps = forward, steps
+        self.compile_s = time.perf_counter() - started
+        log.info("compiled the forward (%s) in %.1f s", self.device.type, self.compile_s)
+        if on_ready is not None:
+            on_ready()
+        return True
+
+    def _warm_shapes(self, forward: Callable[..., ForwardOutput], steps: Callable[..., Any] | None) -> None:
+        """Run each common shape once through the compiled callables, so none compiles while a
+        session waits. Rows: the scratch row (never a session's), and a run of free rows taken
+        from the pool for the consecutive-row graphs.
+
+        CPU: sizes of 1 are specialised, and gathered rows (a run of consecutive rows is read
+        in place) are a graph of their own: three graphs for one row (a token; several, the
+        last or all scored), two for gathered and two for consecutive rows (a token or
+        several), and four for one session's entropix steps with its metrics (a decode step, a
+        prompt scored at its last token, a verification scored at every token, and at its last
+        few after an append: speculative entropix); and the fused greedy steps at one row,
+        gathered and consecutive rows."""
+        scratch = self.cache.scratch_row
+        shapes = [([scratch] * rows, 1, 1, False) for rows in (1, 2, 4, 8)] if steps is None else [
+            ([scratch], 1, 1, False), ([scratch], 3, 1, False), ([scratch], 3, 3, False),
+            ([scratch] * 3, 1, 1, False), ([scratch] * 3, 3, 1, False),
+            ([scratch], 1, 1, True), ([scratch], 3, 1, True), ([scratch], 3, 3, True), ([scratch], 4, 3, True)]
+        try:
+            run = self.cache.allocate(3, timeout_s=0.0) if steps is not None and self.cache.shape.rows >= 3 else []
+        except ResourceExhausted:  # every row is a session's: those graphs compile when first met
+            run = []
+        try:
+            if run:
+                shapes += [(run, 1, 1, False), (run, 3, 1, False)]
             for rows, tokens, keep, metrics in shapes:
                 # From slot 2 on: a job at slot 0 would look at one slot, and specialise that too.
                 tokens_in = torch.zeros((len(rows), tokens), dtype=torch.long)
-                self._forward([ForwardJob(rows, tokens_in, 2, keep, want_metrics=metrics)])
-            if self._compiled_steps is not None:  # fused greedy steps: one row, gathered, consecutive
-                for rows in [[scratch], [scratch] * 3] + ([run] if len(run) > 1 else []):
-                    self._forward_steps([ForwardJob(rows, torch.zeros((len(rows), 1), dtype=torch.long), 2, 1)])
-            for row in range(self.cache.scratch_row):
-                self.cache.lengths[row] = 0
-        except Exception as error:  # any compiler failure: serve eagerly
-            self._compiled = self._compiled_steps = None
-            log.warning("torch.compile failed, serving eagerly: %s: %s", type(error).__name__, error)
-            return False
-        log.info("compiled the forward (%s) in %.1f s", self.device.type, time.perf_counter() - started)
-        return True
+                self._forward([ForwardJob(rows, tokens_in, 2, keep, want_metrics=metrics)], forward)
+            if steps is not None:
+                for rows in [[scratch], [scratch] * 3] + ([run] if run else []):
+                    self._forward_steps([ForwardJob(rows, torch.zeros((len(rows), 1), dtype=torch.long), 2, 1)], steps)
+        finally:
+            if run:
+                self.cache.release(run)
+
+    @property
+    def compiled(self) -> bool:
+        """Forwards run compiled code (after `compile`, once its shapes are warm)."""
+        return self._compiled is not None
 
     def time_decode_step(self, rows: int, start: int, repeats: int = 200) -> tuple[float, float | None]:
         """Median ms of one decode step of cache rows 0..rows−1 (free ones) at `start` cached
@@ -349,14 +379,16 @@ class Scheduler:
         return True
 
     @torch.inference_mode()
-    def _forward_steps(self, jobs: list[ForwardJob]) -> torch.Tensor:
-        """FUSED_STEPS greedy steps of plain greedy rounds (`_fusable`) in one compiled call:
-        each job's logits [rows, FUSED_STEPS, vocab]; returns the tokens the forward fed itself."""
-        assert self._compiled_steps is not None
+    def _forward_steps(self, jobs: list[ForwardJob], steps: Callable[..., Any] | None = None) -> torch.Tensor:
+        """FUSED_STEPS greedy steps of plain greedy rounds (`_fusable`) in one compiled call
+        (`steps`, default the installed one): each job's logits [rows, FUSED_STEPS, vocab];
+        returns the tokens the forward fed itself."""
+        steps = steps or self._compiled_steps
+        assert steps is not None
         batch = build_batch(jobs, self.device, self.cache.scratch_row)
         batch.logit_index = logit_index(jobs, 1, self.device)
         batch.dense = False  # guarded on (a mask or none): one graph
-        fed, logits = self._compiled_steps(self.model, self.cache, batch, FUSED_STEPS)
+        fed, logits = steps(self.model, self.cache, batch, FUSED_STEPS)
         first = 0
         for job in jobs:
             job.logits = logits[first : first + len(job.rows)]
@@ -364,10 +396,12 @@ class Scheduler:
         return fed
 
     @torch.inference_mode()
-    def _forward(self, jobs: list[ForwardJob]) -> None:
+    def _forward(self, jobs: list[ForwardJob], forward: Callable[..., ForwardOutput] | None = None) -> None:
+        """One forward of `jobs` through `forward` (a compiled one), default the installed one."""
+        forward = forward or self._compiled
         metrics = any(job.want_metrics for job in jobs)
         cuda = self.device.type == "cuda"
-        compiled = self._compiled is not None and not (metrics and cuda)
+        compiled = forward is not None and not (metrics and cuda)
         pad = compiled and cuda  # CUDA graphs: few static shapes
         batch = build_batch(jobs, self.device, self.cache.scratch_row, pad_rows=pad, key_multiple=64 if pad else 1)
         batch.logit_index = logit_index(jobs, int(batch.input_ids.shape[1]), self.device, pad)
@@ -375,12 +409,12 @@ class Scheduler:
             batch.metrics = True
             batch.score_rows, batch.score_tokens = score_selection(jobs, self.device)
         if compiled:
-            assert self._compiled is not None
+            assert forward is not None
             # Guarded on (a mask or none): one graph. CUDA graphs would also specialise the first row.
             batch.dense = False
             if cuda:
                 batch.contiguous_from = None
-            out = self._compiled(self.cache, batch)
+            out = forward(self.cache, batch)
         else:
             out = self.model.forward(self.cache, batch)
         assert out.logits is not None

@@ -1,38 +1,33 @@
-"""A Hugging Face causal LM served as sessions: one KV cache per generation, a lean forward loop.
+"""A generation's sessions: tokens per branch, and their keys and values in a `SessionKV`.
 
-A session holds each branch's tokens and a `DynamicCache` over a prefix of them. Tokens not yet
-in the cache are *pending*; any request that needs scores forwards the pending tokens in one
-call (cropping the cache first when the positions to score are already cached). That single
-rule covers prefill, appending, roll-back, proposal and verification. Warping runs here, on the
-device, with `specwire.processing`, so only what decides crosses the wire.
+A session holds each branch's tokens and a cache over a prefix of them. Tokens not yet in the
+cache are *pending*; any request that needs scores forwards the pending tokens in one call
+(cropping the cache first when the positions to score are already cached). That single rule
+covers prefill, appending, roll-back, proposal and verification. Warping runs here, on the
+device, with `specwire.processing`, so only what decides crosses the wire. `SlotKV` keeps a
+session's rows in the service's slot cache and batches through the scheduler; `DynamicKV` runs
+transformers' own forward over one `DynamicCache` (`--engine hf`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-import json
-import logging
-import os
-import statistics
 import threading
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol, cast
 
 import grpc
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
+from transformers import DynamicCache
 
 from specwire import attention_probe
 from specwire.acceptance import accept_draft
-from specwire.batching import ForwardJob, Scheduler
-from specwire.config import compile_default
+from specwire.engine.cache import SlotCache
+from specwire.engine.model import CausalLM
+from specwire.engine.scheduler import ForwardJob, Scheduler
 from specwire.entropy_metrics import PositionMetrics, token_entropy
 from specwire.errors import InvalidArgument, StatusError, check_token_ids
-from specwire.lean_forward import LeanModel, lean_model
-from specwire.medusa import MedusaHeads, tree_attention, tree_depths, tree_path
+from specwire.medusa import tree_attention, tree_depths, tree_path
 from specwire.processing import (
     ProcessingConfig,
     apply_penalties,
@@ -41,7 +36,6 @@ from specwire.processing import (
     sampling_probs,
 )
 from specwire.session import (
-    ModelInfo,
     OpenRequest,
     ScoreKind,
     Scores,
@@ -52,280 +46,9 @@ from specwire.session import (
     Verdict,
     Verification,
 )
-from specwire.slot_cache import SLACK, SlotCache
-
-log = logging.getLogger("specwire")
 
 MAX_BRANCHES = 64
-# Device types where `--compile auto` compiles: where a measurement showed it pays. CPU: the
-# demo target's server-side decode round took 23% less time compiled (README, "Compiled steps").
-COMPILE_PAYS_ON: frozenset[str] = frozenset({"cpu"})
 MAX_PROPOSE = 64
-# Warm-up timing (`Engine.measure_costs`, `Info.forward_costs`): forwards of this many new
-# positions, and greedy rounds of this many tokens.
-COST_POSITIONS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
-DECODE_TOKENS = 8
-
-
-def resolve_device(spec: str) -> torch.device:
-    """`auto` picks CUDA when there is one."""
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(spec)
-
-
-def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
-    """`auto`: bfloat16 on CUDA that supports it, float32 on CPU (half matmuls are slow there)."""
-    if spec == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if spec not in names:
-        raise ValueError(f"--dtype must be one of auto, {', '.join(names)}; got {spec!r}")
-    return names[spec]
-
-
-def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase | None) -> str:
-    """sha256 of the id → string mapping: equal fingerprints mean interchangeable token ids."""
-    if tokenizer is None:
-        return ""
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
-    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
-
-
-def load_tokenizer(source: str) -> PreTrainedTokenizerBase | None:
-    """The tokenizer next to a model, or None when the directory has none."""
-    try:
-        return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError):
-        return None
-
-
-def eos_token_ids(*candidates: int | list[int] | None) -> list[int]:
-    """The first eos setting given (an id or a list of ids, as configs hold it), as a list."""
-    for candidate in candidates:
-        if candidate is not None:
-            return [int(candidate)] if isinstance(candidate, int) else [int(c) for c in candidate]
-    return []
-
-
-def _max_context(config: Any) -> int:
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 2048
-
-
-@dataclass
-class CausalLM:
-    """A loaded model with what its sessions and `Info` need."""
-
-    model: Any
-    tokenizer: PreTrainedTokenizerBase | None
-    name: str
-    tokenizer_source: str
-    device: torch.device
-    vocab_size: int
-    eos_token_ids: list[int]
-    max_context: int
-    accepts_logits_to_keep: bool
-    medusa: MedusaHeads | None = None  # heads on the final hidden state (`--medusa DIR`)
-
-    def attach_medusa(self, directory: str) -> None:
-        """Load Medusa heads saved beside this model; they run on the hidden states of its forward."""
-        heads = MedusaHeads.load(directory)
-        hidden = int(self.model.get_output_embeddings().weight.shape[1])
-        if (heads.config.hidden_size, heads.config.vocab_size) != (hidden, self.vocab_size):
-            raise ValueError(
-                f"--medusa: heads for hidden {heads.config.hidden_size} / vocab {heads.config.vocab_size}, "
-                f"model has {hidden} / {self.vocab_size}"
-            )
-        dtype = next(self.model.parameters()).dtype
-        self.medusa = heads.to(device=self.device, dtype=dtype)
-
-    @classmethod
-    def load(cls, source: str, device: str = "auto", dtype: str = "auto", name: str | None = None) -> CausalLM:
-        """Load from a local directory or a hub id."""
-        torch_device = resolve_device(device)
-        torch_dtype = resolve_dtype(dtype, torch_device)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
-        model = cast(Any, model).to(torch_device)
-        return cls.from_model(model, load_tokenizer(source), name or source, source)
-
-    @classmethod
-    def from_model(
-        cls, model: Any, tokenizer: PreTrainedTokenizerBase | None, name: str, tokenizer_source: str = ""
-    ) -> CausalLM:
-        model.eval()
-        device = next(model.parameters()).device
-        return cls(
-            model=model,
-            tokenizer=tokenizer,
-            name=name,
-            tokenizer_source=tokenizer_source,
-            device=device,
-            vocab_size=int(model.get_output_embeddings().weight.shape[0]),
-            eos_token_ids=eos_token_ids(
-                getattr(model.generation_config, "eos_token_id", None),
-                getattr(model.config, "eos_token_id", None),
-                tokenizer.eos_token_id if tokenizer is not None else None,
-            ),
-            max_context=_max_context(model.config),
-            accepts_logits_to_keep="logits_to_keep" in inspect.signature(model.forward).parameters,
-        )
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    """The serving engine's sizes (`--max-batch-rows`, `--max-cache-len`, ...); 0 = derived."""
-
-    max_batch_rows: int = 0  # cache rows = branches of all open sessions together
-    max_cache_len: int = 0  # tokens per row; at most the model's context
-    max_queued_sessions: int = 64  # sessions waiting for free rows before RESOURCE_EXHAUSTED
-    queue_timeout_s: float = 30.0  # longest wait for free rows
-    batching: bool = True  # False: transformers' forward, one DynamicCache per session, no batching
-    # torch.compile of the batched forward: "on", "off", or "auto" = where it was measured to
-    # pay (COMPILE_PAYS_ON). Default: $SPECWIRE_COMPILE, else "auto".
-    compile: str = field(default_factory=compile_default)
-
-
-def _available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError):
-        return 1 << 30
-
-
-def cache_size(lean: LeanModel, lm: CausalLM, limits: EngineLimits) -> tuple[int, int]:
-    """(rows, max_len): the flags where given; else the model's context (at most 4096 tokens)
-    and as many rows as fit in half the free GPU memory (at most 256), or a tenth of the free
-    RAM (at most 32: a CPU gains little from wider batches)."""
-    max_len = limits.max_cache_len or min(lm.max_context, 4096)
-    max_len = min(max_len, lm.max_context)
-    if limits.max_batch_rows:
-        return limits.max_batch_rows, max_len
-    share, most = (2, 256) if lm.device.type == "cuda" else (10, 32)
-    per_row = lean.cache_shape(1, max_len).bytes
-    return max(1, min(most, _available_memory(lm.device) // share // per_row)), max_len
-
-
-class Engine:
-    """A `Backend` over one causal LM: a slot cache and a batching scheduler where the lean
-    forward supports the model, else one transformers `DynamicCache` per session."""
-
-    def __init__(self, lm: CausalLM, role: str, limits: EngineLimits | None = None) -> None:
-        self.lm = lm
-        self.role = role
-        self.limits = limits or EngineLimits()
-        self._fingerprint = tokenizer_fingerprint(lm.tokenizer)
-        self.cache: SlotCache | None = None
-        self.scheduler: Scheduler | None = None
-        self._forward_costs: list[tuple[int, float]] = []  # measured by `warmup`
-        self._decode_ms_per_token = 0.0
-        lean = lean_model(lm.model) if self.limits.batching else None
-        if lean is not None:
-            rows, max_len = cache_size(lean, lm, self.limits)
-            self.cache = SlotCache(lean.cache_shape(rows, max_len), lm.device, self.limits.max_queued_sessions)
-            self.scheduler = Scheduler(lean, self.cache, lm.device)
-            log.info(
-                "%s: slot cache of %d rows × %d tokens (%.1f MiB)", role, rows, max_len, self.cache.shape.bytes / 2**20
-            )
-            if self.limits.compile not in ("auto", "on", "off"):
-                raise ValueError(f"--compile must be auto, on or off; got {self.limits.compile!r}")
-            if self.limits.compile == "on" or (self.limits.compile == "auto" and lm.device.type in COMPILE_PAYS_ON):
-                self.scheduler.compile()
-
-    @property
-    def batches(self) -> bool:
-        """Sessions may run on threads of their own: their forwards meet in the scheduler."""
-        return self.scheduler is not None
-
-    def info(self) -> ModelInfo:
-        usage = self.cache.usage() if self.cache is not None else None
-        return ModelInfo(
-            model_name=self.lm.name,
-            vocab_size=self.lm.vocab_size,
-            tokenizer_fingerprint=self._fingerprint,
-            eos_token_ids=self.lm.eos_token_ids,
-            max_context=self.max_tokens,
-            capabilities=["session", "propose", "branches", "tree", "verify", "entropy", "attention_stats"]
-            + (["batching"] if self.batches else [])
-            + (["medusa"] if self.lm.medusa is not None else []),
-            role=self.role,
-            tokenizer_source=self.lm.tokenizer_source,
-            device=str(self.lm.device),
-            dtype=str(next(self.lm.model.parameters()).dtype).removeprefix("torch."),
-            cache=usage,
-            medusa_heads=self.lm.medusa.num_heads if self.lm.medusa is not None else 0,
-            forward_costs=list(self._forward_costs),
-            decode_ms_per_token=self._decode_ms_per_token,
-        )
-
-    @property
-    def max_tokens(self) -> int:
-        """The longest sequence a session may hold."""
-        if self.cache is not None:
-            return min(self.lm.max_context, self.cache.shape.max_len)
-        return self.lm.max_context
-
-    def new_session(self) -> EngineSession:
-        kv: SessionKV
-        if self.cache is not None and self.scheduler is not None:
-            kv = SlotKV(self.cache, self.scheduler, self.limits.queue_timeout_s)
-            slots = self.cache.shape.max_len + SLACK  # a tree's nodes occupy a slot each
-        else:
-            kv = DynamicKV(self.lm)
-            slots = 1 << 30  # a DynamicCache grows
-        return EngineSession(self.lm, kv, self.max_tokens, slots)
-
-    def warmup(self) -> None:
-        """One short generation, so the first request doesn't pay for lazy initialisation; then
-        the forward costs `info` reports."""
-        session = self.new_session()
-        prompt = [i % self.lm.vocab_size for i in range(1, 9)]
-        session.open(OpenRequest(prompt_ids=prompt, scoring=Scoring(ScoreKind.ARGMAX)))
-        session.step(StepRequest(append_ids=[1], propose=2, propose_greedy=True))
-        session.close()
-        self._forward_costs, self._decode_ms_per_token = self.measure_costs()
-
-    def measure_costs(
-        self, repeats: int = 7, positions: Sequence[int] = COST_POSITIONS, decode_tokens: int = DECODE_TOKENS
-    ) -> tuple[list[tuple[int, float]], float]:
-        """Median ms of one session's cached forward at each of `positions` new positions, all
-        scored (a verification), and ms a token of a `decode_tokens`-token greedy round, after a
-        64-token prompt (shorter where the context is); ([], 0.0) when the context is too short."""
-        held = min(64, self.max_tokens - max(positions) - decode_tokens - 1)
-        if held < 1:
-            return [], 0.0
-        session = self.new_session()
-        session.open(OpenRequest(prompt_ids=[i % self.lm.vocab_size for i in range(held)]))
-        filler = 1 % self.lm.vocab_size
-
-        def median_ms(step: StepRequest) -> float:
-            times = []
-            for _ in range(repeats + 1):  # the first of each shape is not counted
-                started = time.perf_counter()
-                session.step(replace(step, keep_tokens=held))
-                times.append(time.perf_counter() - started)
-            return statistics.median(times[1:]) * 1e3
-
-        try:
-            costs = [
-                (n, median_ms(StepRequest(append_ids=[filler] * n, scoring=Scoring(ScoreKind.ARGMAX, positions=n))))
-                for n in positions
-            ]
-            decode = median_ms(
-                StepRequest(append_ids=[filler], propose=decode_tokens, propose_greedy=True, propose_ids_only=True)
-            )
-        finally:
-            session.close()
-        return costs, decode / decode_tokens
-
 
 def encode_probs(probs: torch.Tensor, config: ProcessingConfig) -> Scores:
     """Sparse (ids + probabilities, descending) when truncation left ≤ half the vocabulary."""
@@ -459,7 +182,7 @@ class DynamicKV:
         if self.cache is None:
             self.cache = DynamicCache()
         allowed = torch.cat([torch.ones(len(parents), start, dtype=torch.bool), tree_attention(parents)], dim=1)
-        device, dtype = self.lm.device, next(self.lm.model.parameters()).dtype
+        device, dtype = self.lm.device, self.lm.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
         position_ids = start + torch.tensor(tree_depths(parents), dtype=torch.long)  # [new]
         out = self.lm.model.base_model(

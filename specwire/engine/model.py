@@ -1,0 +1,161 @@
+"""A Hugging Face causal LM as the engine serves it: loading (a directory, a hub id or a GGUF
+file), its tokenizer and the facts `Info` reports (vocabulary, eos ids, context)."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from specwire.engine import quantize
+from specwire.medusa import MedusaHeads
+
+
+def resolve_device(spec: str) -> torch.device:
+    """`auto` picks CUDA when there is one."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 on CUDA that supports it, float32 on CPU (half matmuls are slow there)."""
+    if spec == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if spec not in names:
+        raise ValueError(f"--dtype must be one of auto, {', '.join(names)}; got {spec!r}")
+    return names[spec]
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase | None) -> str:
+    """sha256 of the id → string mapping: equal fingerprints mean interchangeable token ids."""
+    if tokenizer is None:
+        return ""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
+def split_gguf(source: str, gguf_file: str | None = None) -> tuple[str, str | None]:
+    """(directory or hub id, GGUF file name or None): `--model FILE.gguf`, or a directory with
+    `--gguf-file NAME`."""
+    if gguf_file is None and source.endswith(".gguf"):
+        path = Path(source)
+        return str(path.parent), path.name
+    return source, gguf_file
+
+
+def load_tokenizer(source: str) -> PreTrainedTokenizerBase | None:
+    """The tokenizer next to a model (or inside a GGUF file), or None when there is none."""
+    directory, gguf_file = split_gguf(source)
+    try:
+        if gguf_file is not None:
+            return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError):
+        return None
+
+
+def eos_token_ids(*candidates: int | list[int] | None) -> list[int]:
+    """The first eos setting given (an id or a list of ids, as configs hold it), as a list."""
+    for candidate in candidates:
+        if candidate is not None:
+            return [int(candidate)] if isinstance(candidate, int) else [int(c) for c in candidate]
+    return []
+
+
+def _max_context(config: Any) -> int:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+@dataclass
+class CausalLM:
+    """A loaded model with what its sessions and `Info` need."""
+
+    model: Any
+    tokenizer: PreTrainedTokenizerBase | None
+    name: str
+    tokenizer_source: str
+    device: torch.device
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_context: int
+    accepts_logits_to_keep: bool
+    medusa: MedusaHeads | None = None  # heads on the final hidden state (`--medusa DIR`)
+    quantization: str = "none"  # the linear layers' weights (`specwire.engine.quantize`)
+
+    def attach_medusa(self, directory: str) -> None:
+        """Load Medusa heads saved beside this model; they run on the hidden states of its forward."""
+        heads = MedusaHeads.load(directory)
+        hidden = int(self.model.get_output_embeddings().in_features)
+        if (heads.config.hidden_size, heads.config.vocab_size) != (hidden, self.vocab_size):
+            raise ValueError(
+                f"--medusa: heads for hidden {heads.config.hidden_size} / vocab {heads.config.vocab_size}, "
+                f"model has {hidden} / {self.vocab_size}"
+            )
+        self.medusa = heads.to(device=self.device, dtype=self.dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the embedding's: quantised layers keep theirs elsewhere)."""
+        return cast(torch.dtype, self.model.get_input_embeddings().weight.dtype)
+
+    @classmethod
+    def load(
+        cls,
+        source: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        name: str | None = None,
+        quantization: str = "none",
+        gguf_file: str | None = None,
+    ) -> CausalLM:
+        """Load from a local directory, a hub id or a GGUF file (dequantised by transformers),
+        then quantise its linear layers (`specwire.engine.quantize`)."""
+        torch_device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, torch_device)
+        quantize.resolve(quantization, torch_device)  # a bad mode fails before the load
+        directory, gguf = split_gguf(source, gguf_file)
+        extra = {"gguf_file": gguf} if gguf is not None else {}
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, **extra)
+        model = cast(Any, model).to(torch_device)
+        tokenizer_source = str(Path(directory) / gguf) if gguf is not None else source
+        lm = cls.from_model(model, load_tokenizer(tokenizer_source), name or source, tokenizer_source)
+        lm.quantization = quantize.resolve(quantization, torch_device, model)
+        quantize.quantize(model, lm.quantization)
+        return lm
+
+    @classmethod
+    def from_model(
+        cls, model: Any, tokenizer: PreTrainedTokenizerBase | None, name: str, tokenizer_source: str = ""
+    ) -> CausalLM:
+        model.eval()
+        device = next(model.parameters()).device
+        return cls(
+            model=model,
+            tokenizer=tokenizer,
+            name=name,
+            tokenizer_source=tokenizer_source,
+            device=device,
+            vocab_size=int(model.get_output_embeddings().out_features),
+            eos_token_ids=eos_token_ids(
+                getattr(model.generation_config, "eos_token_id", None),
+                getattr(model.config, "eos_token_id", None),
+                tokenizer.eos_token_id if tokenizer is not None else None,
+            ),
+            max_context=_max_context(model.config),
+            accepts_logits_to_keep="logits_to_keep" in inspect.signature(model.forward).parameters,
+        )
+

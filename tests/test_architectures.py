@@ -1,0 +1,159 @@
+"""One engine forward for every architecture: Llama, Qwen2, Qwen3, Mistral (sliding window),
+Gemma-3 (sliding and global layers) and GPT-2 run batched over the slot cache through
+transformers' attention-function registry, and their greedy and beam outputs equal
+transformers' `generate` token for token, alone and with other sessions in the same forwards.
+Quantised weights change the outputs, but never between a session's solo and batched runs.
+Gemma-3-270M itself is checked where `specwire models fetch gemma-3-270m` has prepared it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from specwire.client.sdk import build_request
+from specwire.orchestrator.generation import Decoder
+from specwire.orchestrator.models import LocalModel
+
+from specwire import model_zoo
+from specwire.engine import CausalLM, Engine, EngineLimits
+from specwire.engine.forward import HFForward
+from specwire.engine.quantize import Int4Linear, Int8Linear
+from specwire.session import OpenRequest, ScoreKind, Scoring
+from tests.conftest import hf_model
+from tests.tiny import save_gemma3, save_gpt2, save_llama, save_mistral, save_qwen2, save_qwen3
+
+BUILDERS: dict[str, Callable[..., Path]] = {
+    "llama": save_llama, "qwen2": save_qwen2, "qwen3": save_qwen3,
+    "mistral": save_mistral, "gemma3": save_gemma3, "gpt2": save_gpt2,
+}
+# Longer than the sliding windows (8 tokens) of the tiny Mistral and Gemma-3, so those matter.
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\nfor i in range(10):",
+    "the quick brown fox",
+    "class Point:\n    def __init__(self, x, y):",
+    "import os",
+]
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def arch_dir(request: pytest.FixtureRequest, models_dir: Path, tokenizer: Any) -> Path:
+    path = models_dir / f"arch-{request.param}"
+    return path if path.exists() else BUILDERS[request.param](path, tokenizer, seed=11)
+
+
+def engine(path: Path, quantization: str = "none", **limits: Any) -> Engine:
+    lm = CausalLM.load(str(path), device="cpu", dtype="float32", quantization=quantization)
+    return Engine(lm, "target", EngineLimits(**({"max_batch_rows": 12, "max_cache_len": 128} | limits)))
+
+
+def generate(backend: Engine, prompt_ids: list[int], **kwargs: Any) -> list[list[int]]:
+    decoder = Decoder(LocalModel(backend, "target"), None, backend.lm.tokenizer)
+    request = build_request(input_ids=prompt_ids, max_new_tokens=NEW_TOKENS, ignore_eos=True, **kwargs)
+    result = asyncio.run(decoder.generate(request))
+    return [sequence.token_ids for sequence in result.sequences] if result.sequences else [result.token_ids]
+
+
+def transformers_generate(model: Any, prompt_ids: list[int], **kwargs: Any) -> list[list[int]]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, **kwargs)
+    return [row[len(prompt_ids):].tolist() for row in out]
+
+
+JOBS: list[dict[str, Any]] = [
+    {"strategy": "greedy"},
+    {"strategy": "beam", "num_beams": 3, "num_return_sequences": 2},
+]
+
+
+def test_every_architecture_runs_on_the_batched_engine(arch_dir: Path) -> None:
+    backend = engine(arch_dir)
+    assert backend.batches and isinstance(backend.scheduler.model if backend.scheduler else None, HFForward)
+
+
+def test_greedy_and_beam_equal_transformers_alone_and_batched(arch_dir: Path, tokenizer: Any) -> None:
+    """Each prompt × strategy equals `generate`; then all of them at once, on threads sharing the
+    engine's forwards, equal their solo runs."""
+    backend = engine(arch_dir)
+    reference = hf_model(arch_dir)
+    runs = [(tokenizer(prompt).input_ids, job) for prompt in PROMPTS for job in JOBS]
+    solo = [generate(backend, ids, **job) for ids, job in runs]
+    for (ids, job), ours in zip(runs, solo, strict=True):
+        hf_kwargs = {k: v for k, v in job.items() if k != "strategy"}
+        assert ours == transformers_generate(reference, ids, **hf_kwargs), (job, tokenizer.decode(ids))
+    assert backend.scheduler is not None
+    backend.scheduler.stats.max_rows = 0
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        together = list(pool.map(lambda run: generate(backend, run[0], **run[1]), runs))
+    assert together == solo
+    assert backend.scheduler.stats.max_rows > 3  # the sessions did share forwards
+    assert backend.cache is not None and backend.cache.usage().rows_in_use == 0
+
+
+def prompt_logits(backend: Engine, prompt_ids: list[int]) -> torch.Tensor:
+    session = backend.new_session()
+    opened = session.open(OpenRequest(prompt_ids, scoring=Scoring(ScoreKind.LOGITS, positions=len(prompt_ids))))
+    session.close()
+    assert opened.scores is not None and opened.scores.dense is not None
+    return opened.scores.dense  # [positions, vocab]
+
+
+@pytest.mark.parametrize("mode, kind, cosine", [("int8", Int8Linear, 0.995), ("int4", Int4Linear, 0.95)])
+def test_quantised_outputs_equal_their_solo_runs_under_batching(
+    models_dir: Path, tokenizer: Any, mode: str, kind: type, cosine: float
+) -> None:
+    """Sliding and global layers with quantised linears (the tied LM head too): concurrent
+    sessions choose exactly their solo tokens, and the logits stay near the float model's."""
+    path = models_dir / "arch-gemma3"
+    path = path if path.exists() else save_gemma3(path, tokenizer, seed=11)
+    backend = engine(path, mode)
+    assert backend.lm.quantization == mode
+    assert isinstance(backend.lm.model.get_output_embeddings(), kind)
+    runs = [tokenizer(prompt).input_ids for prompt in PROMPTS] * 2
+    solo = [generate(backend, ids) for ids in runs]
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        together = list(pool.map(lambda ids: generate(backend, ids), runs))
+    assert together == solo
+    ours, theirs = prompt_logits(backend, runs[0]), prompt_logits(engine(path), runs[0])
+    assert torch.nn.functional.cosine_similarity(ours, theirs, dim=-1).min() > cosine
+
+
+def test_auto_quantisation_leaves_a_model_that_fits_in_cache_in_float(arch_dir: Path) -> None:
+    lm = CausalLM.load(str(arch_dir), device="cpu", dtype="float32", quantization="auto")
+    assert lm.quantization == "none"
+
+
+def test_an_unknown_quantisation_is_refused_naming_the_flag(arch_dir: Path) -> None:
+    with pytest.raises(ValueError, match="--quantize"):
+        CausalLM.load(str(arch_dir), device="cpu", quantization="int3")
+
+
+def _gemma_dir() -> Path | None:
+    path = Path(os.environ.get("SPECWIRE_GEMMA_DIR", str(model_zoo.default_dir("gemma-3-270m"))))
+    return path if (path / model_zoo.DONE_MARK).exists() else None
+
+
+@pytest.mark.skipif(_gemma_dir() is None, reason="Gemma-3-270M not prepared (specwire models fetch gemma-3-270m)")
+def test_gemma_3_270m_float32_greedy_and_beam_equal_transformers() -> None:
+    path = _gemma_dir()
+    assert path is not None
+    backend = engine(path, max_batch_rows=4, max_cache_len=256)
+    reference = hf_model(path)
+    tokenizer = backend.lm.tokenizer
+    assert tokenizer is not None
+    prompts = ["def fibonacci(n):\n", "The capital of France is"]
+    for prompt in prompts:
+        ids = tokenizer(prompt).input_ids
+        for job in JOBS:
+            hf_kwargs = {k: v for k, v in job.items() if k != "strategy"}
+            assert generate(backend, ids, **job) == transformers_generate(reference, ids, **hf_kwargs), (prompt, job)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        together = list(pool.map(lambda p: generate(backend, tokenizer(p).input_ids), prompts))
+    assert together == [generate(backend, tokenizer(p).input_ids) for p in prompts]
