@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -13,9 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specwire.bench import bench, bounds, experiment, quality, soak, startup
+from specwire.bench import bench, bounds, experiment, quality, report, soak, startup
 from specwire.bench.entropix_plot import STATE_COLOURS, plot_decisions
-from specwire.client.sdk import Client, GenerateResult, GenerationError, enum_names, stats_as_dict
+from specwire.client.sdk import Client, GenerateResult, GenerationError, enum_names
 from specwire.draft_service import distill
 from specwire.target_service import train_medusa
 from specwire.v1 import orchestrator_pb2
@@ -215,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and specwire-<service>, the Kubernetes Service names)",
     )
     bench.add_parser(commands)
+    report.add_parser(commands)
     experiment.add_parser(commands)
     soak.add_parser(commands)
     bounds.add_parser(commands)
@@ -324,15 +326,33 @@ def _print_result(result: GenerateResult, as_json: bool) -> None:
     print(result.text)
     for index, sequence in enumerate(result.sequences[1:], start=2):
         print(f"--- sequence {index} (score {sequence.score:.4f})\n{sequence.text}")
-    s = result.stats
+    print_summary(result.finish_reason, result.stats)
+
+
+def print_summary(finish_reason: str, stats: Any) -> None:
+    """One line of the main figures on stderr (and entropix's states), after the text."""
+    s = stats
     print(
-        f"\n[{result.finish_reason}] {s.new_tokens} tokens in {s.wall_ms:.0f} ms "
-        f"({1000 * s.new_tokens / max(s.wall_ms, 1e-9):.1f} tok/s), {s.rounds} rounds"
-        + (f", {s.expansions} target rows scored in {s.target_forwards} forwards" if s.expansions else ""),
+        f"\n[{finish_reason}] {s.new_tokens} tokens in {s.wall_ms:.0f} ms "
+        f"({1000 * s.new_tokens / max(s.wall_ms, 1e-9):.1f} tok/s), {s.rounds} rounds, "
+        + (f"{s.expansions} target rows scored in {s.target_forwards} forwards" if s.expansions
+           else f"{s.target_forwards} target forwards")
+        + speculation_figures(s),
         file=sys.stderr,
     )
     if s.entropix_states:
         print(f"entropix states: {format_states(s.entropix_states)}", file=sys.stderr)
+
+
+def speculation_figures(stats: Any) -> str:
+    """What speculation did, for a human (empty when nothing was drafted or skipped)."""
+    text = ""
+    if stats.drafted_tokens:
+        text += (f", {stats.accepted_tokens} of {stats.drafted_tokens} drafted tokens accepted "
+                 f"({stats.acceptance_rate:.0%}), {stats.tokens_per_target_forward:.2f} tokens/forward")
+    if stats.speculation_off_rounds:
+        text += f", {stats.speculation_off_rounds} of {stats.rounds} rounds target-only"
+    return text
 
 
 def format_states(counts: dict[str, int]) -> str:
@@ -374,7 +394,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(delta.text, end="", flush=True)
                 last = delta
             if last is not None and last.stats is not None:
-                print(f"\n[{last.finish_reason}] {json.dumps(stats_as_dict(last.stats))}", file=sys.stderr)
+                print_summary(last.finish_reason, last.stats)
             return 0
         result = client.generate(args.prompt, **kwargs)
         _print_result(result, args.json)
@@ -489,10 +509,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 result = client.generate(prompt=args.prompt, max_new_tokens=args.max_new_tokens, **kwargs)
                 s = result.stats
                 line = f"\n=== {label}\n    {s.new_tokens} tokens in {s.wall_ms:.0f} ms, {s.target_forwards} target forwards"
-                if s.drafted_tokens:
-                    line += f", acceptance {s.acceptance_rate:.0%}, {s.tokens_per_target_forward:.2f} tokens/forward"
-                if s.speculation_off_rounds:
-                    line += f", {s.speculation_off_rounds} of {s.rounds} rounds target-only"
+                line += speculation_figures(s)
                 if s.entropix_states:
                     line += f", states: {format_states(s.entropix_states)}"
                 print(line + f", finish={result.finish_reason}")
@@ -629,7 +646,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 # The commands that start services as children (`specwire.client.launcher.Stack`).
 STACK_COMMANDS = {"up", "demo", "bench", "experiment", "soak", "startup-time"}
-COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "startup-time": startup.run, "distill": distill.run, "train-medusa": train_medusa.main, "models": model_zoo.run, "quality": quality.run}
+COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "report": report.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "startup-time": startup.run, "distill": distill.run, "train-medusa": train_medusa.main, "models": model_zoo.run, "quality": quality.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -637,7 +654,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # steal the cores the other service is computing on (measured: 60× slower steps on 2 cores).
     # Must be set before torch loads OpenMP; an explicit setting wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.command_line = shlex.join(["specwire", *argv])  # recorded with measurements (`bench`)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     if args.command in STACK_COMMANDS:
         # SIGTERM ends the command as Ctrl-C does, so the stacks it started stop on the way out.

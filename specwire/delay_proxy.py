@@ -1,8 +1,8 @@
 """A user-space TCP proxy that makes loopback look like a long link: one-way delay, jitter, bandwidth.
 
-This machine's kernel has no `tc netem`, so cross-host latency is emulated here instead: the proxy
-sits between the orchestrator and a model service, and every chunk of bytes read from one side is
-written to the other side no earlier than
+It needs neither root nor the kernel's `tc netem`, so cross-host latency can be emulated on any
+machine: the proxy sits between the orchestrator and a model service, and every chunk of bytes
+read from one side is written to the other side no earlier than
 
     release = max(tx_end + max(0, delay + U(−jitter, +jitter)), previous release)
     tx_end  = max(arrival, link free) + bytes · 8 / bandwidth
