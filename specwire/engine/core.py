@@ -27,7 +27,7 @@ from specwire.session import ModelInfo, OpenRequest, ScoreKind, Scoring, StepReq
 log = logging.getLogger("specwire")
 
 # Device types where `--compile auto` compiles: where a measurement showed it pays. CPU: the
-# demo target's server-side decode round took 23% less time compiled (README, "Compiled steps").
+# demo target's server-side decode round took 23% less time compiled (docs/engine.md, "Compiled steps").
 COMPILE_PAYS_ON: frozenset[str] = frozenset({"cpu"})
 # Warm-up timing (`Engine.measure_costs`, `Info.forward_costs`): forwards of this many new
 # positions, and greedy rounds of this many tokens.

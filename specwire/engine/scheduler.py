@@ -12,14 +12,12 @@ session's thread sleeps until the round is done instead of waking for every toke
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import itemgetter
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -127,7 +125,6 @@ class Scheduler:
         multiples of 64, one graph per bucket (decode at 1, 2, 4, 8 rows compiled now). The
         compiled code is cached on disk (TORCHINDUCTOR_CACHE_DIR) for the next start.
         """
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "specwire" / "inductor"))
         if not background:
             return self._compile(on_ready)
         threading.Thread(target=self._compile, args=(on_ready,), name="specwire-compile", daemon=True).start()
