@@ -176,11 +176,12 @@ class Scheduler:
 
     def _compile_pending(self, forward: Callable[..., ForwardOutput], steps: Callable[..., Any] | None,
                          on_ready: Callable[[], None] | None) -> bool:
-        """Compile the common shapes, then (in the background) whatever shape serving meets."""
+        """Compile the common shapes (`compiled` then), then in the background entropix's and
+        whatever shape serving meets; without a background thread, those compile when met."""
         started = time.perf_counter()
         self._compiled, self._compiled_steps = forward, steps  # used for the warm keys alone
         try:
-            while self._pending:
+            while self._pending and not self._pending[0].metrics:  # entropix's shapes come after `compiled`
                 self._compile_shape(self._pending.pop(0))
         except Exception as error:  # any compiler failure: serve eagerly
             self._compiled = self._compiled_steps = None
@@ -191,6 +192,9 @@ class Scheduler:
         log.info("compiled the forward (%s, %d shapes) in %.1f s", self.device.type, len(self._warm), self.compile_s)
         if on_ready is not None:
             on_ready()
+        for shape in self._pending:
+            self._request_shape(shape)
+        self._pending = []
         while self._background:  # shapes serving met that were not compiled yet
             shape = self._requests.get()
             try:
@@ -232,8 +236,10 @@ class Scheduler:
         picked = 0 if batch.logit_index is None else int(batch.logit_index.shape[0])
         keep = 1 if picked <= rows else tokens if picked == rows * tokens else 2
         metrics = any(job.want_metrics for job in jobs)
-        shape = Shape(kind, 1 if rows == 1 else 3, 1 if tokens == 1 else min(tokens, 4), min(keep, tokens), metrics,
-                      steps)
+        self._request_shape(Shape(kind, 1 if rows == 1 else 3, 1 if tokens == 1 else min(tokens, 4), min(keep, tokens),
+                                  metrics, steps))
+
+    def _request_shape(self, shape: Shape) -> None:
         with self._mutex:
             if shape in self._requested or not self._background:
                 return
