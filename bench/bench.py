@@ -189,6 +189,7 @@ class BenchConfig:
     quantize: str = "auto"  # the model services' --quantize
     target_threads: int = 0  # the target service's torch threads, and llama.cpp's; 0: all cores
     gguf: str | None = None  # the `llamacpp` row's model (default: the target's own GGUF)
+    compile_wait_s: float = 3600.0  # longest wait for the target's compiled forwards before measuring
     max_new_tokens: int = 64
     repeats: int = 3
     gamma: int = 4
@@ -776,7 +777,7 @@ def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple
     return stacks, errors
 
 
-def wait_compiled(stack: Stack, timeout_s: float = 900.0) -> ModelInfo:
+def wait_compiled(stack: Stack, timeout_s: float) -> ModelInfo:
     """The target's Info once its forwards run compiled (a service compiles in the background
     after it is SERVING), or as it is at the timeout; rows measured before would time eager code."""
     import grpc
@@ -826,7 +827,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             pool.shutdown(wait=False)
         for name, stack in stacks.items():
             clients[name] = Client(stack.config.address, timeout=600)
-        target_info = wait_compiled(stacks["model"]) if "model" in stacks else None
+        target_info = wait_compiled(stacks["model"], config.compile_wait_s) if "model" in stacks else None
 
         llama = None
         if "llamacpp" in config.rows:
@@ -982,6 +983,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--quantize", default="auto", help="the model services' --quantize (none, int8, int4, auto)")
     parser.add_argument("--target-threads", type=int, default=0, help="the target's torch threads and llama.cpp's (0: all cores)")
     parser.add_argument("--gguf", help="the llamacpp row's GGUF (default: DIR/gguf/*.gguf of the target)")
+    parser.add_argument("--compile-wait", type=float, default=3600.0,
+                        help="seconds to wait for the target's compiled forwards before measuring")
     parser.add_argument("--rows", help=f"comma-separated subset of: {', '.join(ROW_NAMES)}")
     parser.add_argument("--seed", type=int, default=0, help="seed of the row order shuffle")
     parser.add_argument("--port", type=int, default=0, help="base port of the stacks (0 = free ports)")

@@ -5,7 +5,9 @@ service.
 Each repeat starts the three services as `specwire up` does (the demo pair unless told
 otherwise) and measures:
 - cold: the stack started on an empty compile cache (TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR
-  in a new temporary directory), from the launcher's first spawn until every service is SERVING;
+  in a new temporary directory), from the launcher's first spawn until every service is SERVING,
+  and (compiling) until both model services' forwards run compiled (`Info.compiled`: they
+  compile in the background, serving eagerly meanwhile);
 - warm: the same, started again on the cache the cold start filled;
 - restart: the warm stack's target SIGKILLed and restarted by the launcher's supervision (after
   its 1 s back-off), until it is SERVING again;
@@ -52,7 +54,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--target-model", help="target model directory (default: the demo target)")
     parser.add_argument("--draft-model", help="draft model directory (default: the demo draft)")
+    parser.add_argument("--drafter", default="model", choices=["model", "ngram"], help="the draft service's drafter")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--quantize", default="auto", help="the model services' --quantize")
     parser.add_argument("--compile", choices=["auto", "on", "off"], help="the services' --compile (default: theirs)")
     parser.add_argument("--grace", type=float, default=10.0, help="the services' --grace: seconds a drain waits")
     parser.add_argument("--repeats", type=int, default=1)
@@ -99,12 +103,26 @@ def services_startup(stack: Stack) -> dict[str, Any]:
     }
 
 
-def timed_start(config: StackConfig, timeout: float) -> tuple[Stack, dict[str, Any]]:
+def compiled(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        return bool(model_pb2_grpc.ModelServiceStub(channel).Info(model_pb2.InfoRequest(), timeout=30).compiled)
+
+
+def timed_start(config: StackConfig, timeout: float, compiling: bool) -> tuple[Stack, dict[str, Any]]:
     stack = Stack(config)
     began = time.monotonic()
     stack.start(timeout=timeout)
     stack_s = time.monotonic() - began
-    return stack, {"stack_s": round(stack_s, 3), "services": services_startup(stack)}
+    report: dict[str, Any] = {"stack_s": round(stack_s, 3), "services": services_startup(stack)}
+    if compiling:
+        c = stack.config
+        addresses = [f"{c.host}:{c.target_port}"] + ([f"{c.host}:{c.draft_port}"] if c.drafter == "model" else [])
+        while not all(compiled(address) for address in addresses):
+            if time.monotonic() - began > timeout:
+                raise TimeoutError(f"the model services did not run compiled within {timeout:.0f} s")
+            time.sleep(0.5)
+        report["compiled_s"] = round(time.monotonic() - began, 3)
+    return stack, report
 
 
 def timed_restart(stack: Stack, role: str, timeout: float) -> dict[str, Any]:
@@ -159,6 +177,8 @@ def medians(runs: list[dict[str, Any]], grace_s: float) -> dict[str, float]:
     for run in runs:
         found = {
             "cold_stack_s": run["cold"]["stack_s"],
+            **({"cold_compiled_s": run["cold"]["compiled_s"]} if "compiled_s" in run["cold"] else {}),
+            **({"warm_compiled_s": run["warm"]["compiled_s"]} if "compiled_s" in run["warm"] else {}),
             **{f"cold_{role}_serving_s": s["serving_s"] for role, s in run["cold"]["services"].items()},
             "warm_stack_s": run["warm"]["stack_s"],
             **{f"warm_{role}_serving_s": s["serving_s"] for role, s in run["warm"]["services"].items()},
@@ -175,17 +195,18 @@ def medians(runs: list[dict[str, Any]], grace_s: float) -> dict[str, float]:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     target, draft = default_models(args.target_model, args.draft_model)
     service_args = ("--grace", str(args.grace)) + (("--compile", args.compile) if args.compile else ())
-    config = StackConfig(target_model=target, draft_model=draft, device=args.device,
-                         extra_target_args=service_args, extra_draft_args=service_args,
+    config = StackConfig(target_model=target, draft_model=draft, device=args.device, quantize=args.quantize,
+                         drafter=args.drafter, extra_target_args=service_args, extra_draft_args=service_args,
                          extra_orchestrator_args=("--grace", str(args.grace)))
+    compiling = args.compile != "off" and os.environ.get("SPECWIRE_COMPILE", "auto") != "off"
     info = machine_info()
     runs = []
     for repeat in range(args.repeats):
         config = replace(config, port=free_base_port())
         with tempfile.TemporaryDirectory(prefix="specwire-compile-cache-") as cache, compile_cache(cache):
-            stack, cold = timed_start(config, args.timeout)
+            stack, cold = timed_start(config, args.timeout, compiling)
             stack.stop()
-            stack, warm = timed_start(config, args.timeout)
+            stack, warm = timed_start(config, args.timeout, compiling)
             try:
                 restart = timed_restart(stack, "target", args.timeout)
                 drain = timed_drains(stack)
@@ -195,6 +216,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
         "config": {"target_model": args.target_model or "demo", "draft_model": args.draft_model or "demo",
+                   "drafter": args.drafter, "quantize": args.quantize,
                    "device": args.device, "compile": args.compile or "default", "grace_s": args.grace,
                    "repeats": args.repeats},
         "machine": info | {"loadavg_end": list(os.getloadavg())},
