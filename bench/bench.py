@@ -190,6 +190,7 @@ class BenchConfig:
     target_threads: int = 0  # the target service's torch threads, and llama.cpp's; 0: all cores
     gguf: str | None = None  # the `llamacpp` row's model (default: the target's own GGUF)
     compile_wait_s: float = 3600.0  # longest wait for the target's compiled forwards before measuring
+    start_timeout_s: float = 1200.0  # longest wait for a stack to be SERVING
     max_new_tokens: int = 64
     repeats: int = 3
     gamma: int = 4
@@ -767,7 +768,7 @@ def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple
         stack_dir = log_dir / name
         stack_dir.mkdir(parents=True, exist_ok=True)
         try:
-            stack.start(timeout=300, log_dir=stack_dir)
+            stack.start(timeout=config.start_timeout_s, log_dir=stack_dir)
             stacks[name] = stack
         except (RuntimeError, TimeoutError) as error:
             errors[name] = f"{error} (logs in {stack_dir})"

@@ -305,6 +305,7 @@ def test_compiled_forward_serves_concurrent_sessions_like_the_eager_one(llama_ta
     reductions are not bit-identical), both while the shapes are being compiled (each forward
     eager or compiled as its shape is) and once they all are."""
     compiled = engine(llama_target_dir, max_batch_rows=8, max_cache_len=96, compile="on", compile_in_background=True)
+    compiled.warmup()  # then it starts compiling, as a service does
     eager = engine(llama_target_dir, max_batch_rows=8, max_cache_len=96, compile="off")
     assert compiled.scheduler is not None
     measured = Scoring(ScoreKind.LOGITS, extras=Extras(True, True, True))

@@ -7,13 +7,6 @@ linear layers for int8/int4 kernels; `model` loads a model (directory, hub id, G
 `session` is a generation's view of it; `core` ties them into the `Engine` a service runs.
 """
 
-import os
-from pathlib import Path
-
-# Compiled code is cached on disk for the next start. torch fixes its cache directory the first
-# time anything asks for it, so this is set before any of the engine imports inductor.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "specwire" / "inductor"))
-
 from specwire.engine.core import COST_POSITIONS, DECODE_TOKENS, Engine, EngineLimits, cache_size
 from specwire.engine.model import (
     CausalLM,

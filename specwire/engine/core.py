@@ -84,6 +84,7 @@ class Engine:
         self.cache: SlotCache | None = None
         self.scheduler: Scheduler | None = None
         self._forward_costs: list[tuple[int, float]] = []  # measured by `warmup`
+        self._compile_later = False
         self._decode_ms_per_token = 0.0
         lean = lean_model(lm.model) if self.limits.batching else None
         if lean is not None:
@@ -95,8 +96,12 @@ class Engine:
             )
             if self.limits.compile not in ("auto", "on", "off"):
                 raise ValueError(f"--compile must be auto, on or off; got {self.limits.compile!r}")
-            if self.limits.compile == "on" or (self.limits.compile == "auto" and lm.device.type in COMPILE_PAYS_ON):
-                self.scheduler.compile(self.limits.compile_in_background, on_ready=self._remeasure)
+            compiling = self.limits.compile == "on" or (self.limits.compile == "auto" and lm.device.type in COMPILE_PAYS_ON)
+            if compiling and not self.limits.compile_in_background:
+                self.scheduler.compile(on_ready=self._remeasure)
+            # In the background, compilation starts after `warmup`: warm-up's eager forwards
+            # would otherwise share the cores with the compiler and keep the service from SERVING.
+            self._compile_later = compiling and self.limits.compile_in_background
 
     @property
     def batches(self) -> bool:
@@ -152,6 +157,9 @@ class Engine:
         session.step(StepRequest(append_ids=[1], propose=2, propose_greedy=True))
         session.close()
         self._forward_costs, self._decode_ms_per_token = self.measure_costs()
+        if self._compile_later and self.scheduler is not None:
+            self._compile_later = False
+            self.scheduler.compile(background=True, on_ready=self._remeasure)
 
     def _remeasure(self) -> None:
         """Compiled forwards cost less than the eager ones `warmup` timed: `Info` reports these."""

@@ -136,7 +136,9 @@ class Scheduler:
         now). Compiled code is cached on disk (TORCHINDUCTOR_CACHE_DIR) for the next start.
         """
         cuda = self.device.type == "cuda"
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        # A graph per shape key (and per model, when several engines share a process): more than
+        # dynamo's default 8 per function.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         try:
             if cuda:
                 forward = torch.compile(self.model.forward, mode="reduce-overhead")
@@ -232,12 +234,12 @@ class Scheduler:
         contiguous = batch.contiguous_from is not None
         rows = int(batch.input_ids.shape[0])
         kind = "one" if rows == 1 else "run" if contiguous else "gathered"
-        tokens = int(batch.input_ids.shape[1])
+        width = int(batch.input_ids.shape[1])
         picked = 0 if batch.logit_index is None else int(batch.logit_index.shape[0])
-        keep = 1 if picked <= rows else tokens if picked == rows * tokens else 2
+        tokens = 1 if width == 1 else min(width, 4)
+        keep = 1 if picked <= rows else tokens if picked == rows * width else 2  # the last, all, or some
         metrics = any(job.want_metrics for job in jobs)
-        self._request_shape(Shape(kind, 1 if rows == 1 else 3, 1 if tokens == 1 else min(tokens, 4), min(keep, tokens),
-                                  metrics, steps))
+        self._request_shape(Shape(kind, 1 if rows == 1 else 3, tokens, keep, metrics, steps))
 
     def _request_shape(self, shape: Shape) -> None:
         with self._mutex:
