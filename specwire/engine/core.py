@@ -32,6 +32,10 @@ COMPILE_PAYS_ON: frozenset[str] = frozenset({"cpu"})
 # Warm-up timing (`Engine.measure_costs`, `Info.forward_costs`): forwards of this many new
 # positions, and greedy rounds of this many tokens.
 COST_POSITIONS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+# Fused greedy steps (`Scheduler.compile`) pay a compiled call's fixed cost (~0.1 ms) once per
+# few tokens; a model whose eager decode step takes longer than this gains under 2% from them,
+# and their graph, several forwards long, takes the longest to compile.
+FUSE_BELOW_MS = 5.0
 DECODE_TOKENS = 8
 @dataclass(frozen=True)
 class EngineLimits:
@@ -159,7 +163,8 @@ class Engine:
         self._forward_costs, self._decode_ms_per_token = self.measure_costs()
         if self._compile_later and self.scheduler is not None:
             self._compile_later = False
-            self.scheduler.compile(background=True, on_ready=self._remeasure)
+            fuse = self._decode_ms_per_token < FUSE_BELOW_MS
+            self.scheduler.compile(background=True, on_ready=self._remeasure, fuse_steps=fuse)
 
     def _remeasure(self) -> None:
         """Compiled forwards cost less than the eager ones `warmup` timed: `Info` reports these."""

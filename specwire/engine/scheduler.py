@@ -118,12 +118,14 @@ class Scheduler:
         self._requested: set[Shape] = set()
         self._requests: queue.SimpleQueue[Shape] = queue.SimpleQueue()
 
-    def compile(self, background: bool = False, on_ready: Callable[[], None] | None = None) -> bool:
+    def compile(self, background: bool = False, on_ready: Callable[[], None] | None = None,
+                fuse_steps: bool = True) -> bool:
         """Run forwards through `torch.compile`, shape by shape as each is compiled. On failure
         log why and stay eager. `background`: serve eagerly meanwhile and compile on a thread of
         its own (a service is SERVING in seconds, and each shape turns fast once compiled);
-        `on_ready` runs there once the common shapes are (`compiled`). Returns False when
-        compilation failed (always True in the background, which reports through the log).
+        `on_ready` runs there once the common shapes are (`compiled`). `fuse_steps`: compile
+        the fused greedy steps too (`greedy_steps`). Returns False when compilation failed
+        (always True in the background, which reports through the log).
 
         CPU: graphs over symbolic shapes (rows, new tokens, slots looked at), so batches of any
         size run compiled code without recompiling; torch specialises sizes of 1, a run of
@@ -150,11 +152,11 @@ class Scheduler:
                 options: dict[str, str | int | bool | Callable[..., Any]] = {"cpp_wrapper": True}
                 options.update(dict.fromkeys(checks_off, False))
                 forward = torch.compile(self.model.forward, dynamic=True, options=options)
-                steps = torch.compile(greedy_steps, dynamic=True, options=options)
+                steps = torch.compile(greedy_steps, dynamic=True, options=options) if fuse_steps else None
         except Exception as error:  # a compiler that cannot even start: serve eagerly
             log.warning("torch.compile failed, serving eagerly: %s: %s", type(error).__name__, error)
             return False
-        self._pending = [*self._common_shapes(steps is not None)]
+        self._pending = [shape for shape in self._common_shapes(not cuda) if steps is not None or not shape.steps]
         if not background:
             return self._compile_pending(forward, steps, on_ready)
         self._background = True
