@@ -97,13 +97,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from specwire.bench import llamacpp
+from specwire.bench.report import render
 from specwire.client.launcher import Stack, StackConfig, free_base_port
 from specwire.orchestrator.speedup import alpha_estimate, predicted_speedup
 
+from specwire.demo import demo_draft_dir, demo_medusa_dir, demo_target_dir
 from specwire.session import ModelInfo
 
 SCHEMA = "specwire.bench/1"
@@ -191,6 +194,8 @@ class BenchConfig:
     quantize: str = "auto"  # the model services' --quantize
     target_threads: int = 0  # the target service's torch threads, and llama.cpp's; 0: all cores
     gguf: str | None = None  # the `llamacpp` row's model (default: the target's own GGUF)
+    compile_wait_s: float = 3600.0  # longest wait for the target's compiled forwards before measuring
+    start_timeout_s: float = 1200.0  # longest wait for a stack to be SERVING
     max_new_tokens: int = 64
     repeats: int = 3
     gamma: int = 4
@@ -206,6 +211,7 @@ class BenchConfig:
     concurrency: tuple[int, ...] = ()  # stream counts of the concurrency measurement; () = none
     medusa: str | None = None  # the target's Medusa heads (the medusa rows)
     medusa_choices: str | None = None  # the medusa rows' tree (JSON); None = the strategy's default
+    command: str | None = None  # the command line that asked for this run, recorded with the figures
 
 
 @dataclass
@@ -711,19 +717,37 @@ def machine_info() -> dict[str, Any]:
     import torch
     import transformers
 
+    cpu_model = _cpu_model()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
+        "description": f"{os.cpu_count()} CPUs ({cpu_model}), " + (gpu or "no GPU"),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),  # the services inherit it
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cuda": gpu,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "grpcio": grpc.__version__,
         "loadavg_start": list(os.getloadavg()),
     }
+
+
+def _cpu_model() -> str:
+    """The CPU's marketing name (Linux's /proc/cpuinfo), else what `platform` knows."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    name = next((line.partition(":")[2] for line in lines if line.startswith("model name")), "")
+    name = name.replace("(R)", "").replace("(TM)", "")
+    return " ".join(name.split()) or platform.processor() or platform.machine()
+
+
+def model_label(path: str, demo_dir: Path) -> str:
+    """The demo's own models by name, others as given: a report names no directory of the machine that ran it."""
+    return "the demo pair's " + demo_dir.name if Path(path).resolve() == demo_dir.resolve() else path
 
 
 def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple[dict[str, Stack], dict[str, str]]:
@@ -750,7 +774,7 @@ def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple
         stack_dir = log_dir / name
         stack_dir.mkdir(parents=True, exist_ok=True)
         try:
-            stack.start(timeout=300, log_dir=stack_dir)
+            stack.start(timeout=config.start_timeout_s, log_dir=stack_dir)
             stacks[name] = stack
         except (RuntimeError, TimeoutError) as error:
             errors[name] = f"{error} (logs in {stack_dir})"
@@ -760,7 +784,7 @@ def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple
     return stacks, errors
 
 
-def wait_compiled(stack: Stack, timeout_s: float = 900.0) -> ModelInfo:
+def wait_compiled(stack: Stack, timeout_s: float) -> ModelInfo:
     """The target's Info once its forwards run compiled (a service compiles in the background
     after it is SERVING), or as it is at the timeout; rows measured before would time eager code."""
     import grpc
@@ -788,23 +812,29 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown row(s) {sorted(unknown)}; rows are {', '.join(ROW_NAMES)}")
     began = time.perf_counter()
+    started_at = datetime.now(timezone.utc)
     info = machine_info()
     specs = [row for row in ROWS if row.name in config.rows]
     results = {spec.name: RowResult(spec) for spec in specs}
     tokenizer = AutoTokenizer.from_pretrained(config.target_model)
     prompt_ids = [tokenizer(prompt).input_ids for prompt in config.prompts]
     log_dir = Path(tempfile.mkdtemp(prefix="specwire-bench-"))
+    print(f"bench: service logs in {log_dir}", file=sys.stderr)
 
     stacks: dict[str, Stack] = {}
     clients: dict[str, Any] = {}
     try:
-        with ThreadPoolExecutor(max_workers=1) as pool:
+        # Not `with`: Ctrl-C / SIGTERM while the stacks start must not wait for them to be up.
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
             starting = pool.submit(_start_stacks, config, set(config.rows), log_dir)
             hf = HfRunner(config.target_model, config.draft_model, config.device, config.dtype)
             stacks, stack_errors = starting.result()
+        finally:
+            pool.shutdown(wait=False)
         for name, stack in stacks.items():
             clients[name] = Client(stack.config.address, timeout=600)
-        target_info = wait_compiled(stacks["model"]) if "model" in stacks else None
+        target_info = wait_compiled(stacks["model"], config.compile_wait_s) if "model" in stacks else None
 
         llama = None
         if "llamacpp" in config.rows:
@@ -874,8 +904,10 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
                 )
         metadata: dict[str, Any] = {
             "schema": SCHEMA,
-            "target_model": config.target_model,
-            "draft_model": config.draft_model,
+            "command": config.command,
+            "date": started_at.isoformat(timespec="seconds"),
+            "target_model": model_label(config.target_model, demo_target_dir()),
+            "draft_model": model_label(config.draft_model, demo_draft_dir()),
             "parameters": hf.parameters(),
             "single_forward": forwards,
             "entropix_metrics_cost": metrics_cost,
@@ -904,7 +936,6 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
                 "of each model in-process (median of 40)"
             ),
             "machine": info | {"loadavg_end": list(os.getloadavg())},
-            "log_dir": str(log_dir),
         }
     finally:
         for client in clients.values():
@@ -919,101 +950,6 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
 
 
 # -- output -------------------------------------------------------------------------------------
-
-
-def _fmt(value: Any, digits: int = 2) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def markdown_table(report: dict[str, Any]) -> str:
-    meta = report["metadata"]
-    header = (
-        "| row | tok/s median [min–max] | × HF target | × best HF assisted | acceptance | α | tok/target fwd "
-        "| c | predicted | efficiency | bytes/round | overhead ms/round | = HF target |"
-    )
-    columns = header.count("|") - 1
-    lines = [
-        f"{meta['prompts']} prompts × {meta['max_new_tokens']} new tokens × {meta['repeats']} repeats, γ = {meta['gamma']}, "
-        f"RTT {meta.get('rtt_ms', 0.0):g} ms to each specwire service, "
-        f"{meta['device']} {meta['dtype']}, {meta['machine']['cpu_count']} CPUs, "
-        f"target {meta['parameters']['target'] / 1e6:.1f}M / draft {meta['parameters']['draft'] / 1e6:.1f}M parameters; "
-        f"one cached forward: target {meta['single_forward']['target_forward_ms']:.2f} ms, "
-        f"draft {meta['single_forward']['draft_forward_ms']:.2f} ms (c = {meta['single_forward']['cost_ratio_c_direct']:.2f})",
-        "",
-        header,
-        "|" + "---|" * columns,
-    ]
-    for row in report["rows"]:
-        if row["error"]:
-            lines.append(f"| {row['name']} | error: {row['error'][:80]} |" + " |" * (columns - 2))
-            continue
-        spread = f"{_fmt(row['tokens_per_s'], 1)} [{_fmt(row['tokens_per_s_min'], 1)}–{_fmt(row['tokens_per_s_max'], 1)}]"
-        cells = [
-            row["name"],
-            spread,
-            _fmt(row["ratio_vs_hf_target"]),
-            _fmt(row["ratio_vs_hf_assisted"]),
-            _fmt(row["acceptance_rate"]),
-            _fmt(row["alpha"]),
-            _fmt(row["tokens_per_target_forward"]),
-            _fmt(row["cost_ratio_c"], 3),
-            _fmt(row["predicted_speedup"]),
-            _fmt(row["efficiency"]),
-            _fmt(row["bytes_per_round"], 0),
-            _fmt(row["overhead_ms_per_round"]),
-            _fmt(row["matches_hf_target"]),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    if report.get("concurrency"):
-        lines += [
-            "",
-            "| strategy | streams | aggregate tok/s | × one stream | p50 ms/token | p99 ms/token | p50 × one stream | = solo |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for entry in report["concurrency"]:
-            cells = [
-                entry["strategy"],
-                str(entry["streams"]),
-                _fmt(entry["aggregate_tokens_per_s"], 1),
-                _fmt(entry["ratio_vs_one_stream"]),
-                _fmt(entry["p50_token_ms"]),
-                _fmt(entry["p99_token_ms"]),
-                _fmt(entry["p50_ratio_vs_one_stream"]),
-                _fmt(entry["matches_solo"]),
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
-    beam_rows = [row for row in report["rows"] if row["group"] == BEAM_GROUP and not row["error"]]
-    if beam_rows:
-        lines += [
-            "",
-            f"beam rows, k = {meta.get('num_beams')}, eos honoured:",
-            "| row | target rows scored / generation | target forwards / generation | rows × beam | wall × beam | = beam |",
-            "|---|---|---|---|---|---|",
-        ]
-        for row in beam_rows:
-            cells = [
-                row["name"],
-                _fmt(row["expansions_per_generation"], 1),
-                _fmt(row["target_forwards_per_generation"], 1),
-                _fmt(row["expansions_ratio_vs_beam"], 3),
-                _fmt(row["wall_ratio_vs_beam"], 3),
-                _fmt(row["matches_beam"]),
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
-    best = next((r["best_hf_assisted_row"] for r in report["rows"] if r["best_hf_assisted_row"]), None)
-    lines.append("")
-    lines.append(f"best HF assisted row: {best or '–'}; took {meta['duration_s']:.0f} s")
-    cost = meta.get("entropix_metrics_cost")
-    if cost:
-        lines.append(
-            f"entropix metrics: one cached target step {cost['step_ms']:.2f} ms without, "
-            f"{cost['step_with_metrics_ms']:.2f} ms with them (+{100 * cost['cost']:.1f}%)"
-        )
-    return "\n".join(lines)
 
 
 def load_prompts(path: str | None) -> list[str]:
@@ -1036,8 +972,6 @@ def load_prompts(path: str | None) -> list[str]:
 
 
 def default_models(target: str | None, draft: str | None) -> tuple[str, str]:
-    from specwire.demo import demo_draft_dir, demo_target_dir
-
     return target or str(demo_target_dir()), draft or str(demo_draft_dir())
 
 
@@ -1061,6 +995,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--quantize", default="auto", help="the model services' --quantize (none, int8, int4, auto)")
     parser.add_argument("--target-threads", type=int, default=0, help="the target's torch threads and llama.cpp's (0: all cores)")
     parser.add_argument("--gguf", help="the llamacpp row's GGUF (default: DIR/gguf/*.gguf of the target)")
+    parser.add_argument("--compile-wait", type=float, default=3600.0,
+                        help="seconds to wait for the target's compiled forwards before measuring")
     parser.add_argument("--rows", help=f"comma-separated subset of: {', '.join(ROW_NAMES)}")
     parser.add_argument("--seed", type=int, default=0, help="seed of the row order shuffle")
     parser.add_argument("--port", type=int, default=0, help="base port of the stacks (0 = free ports)")
@@ -1073,6 +1009,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--rtt-ms", type=float, default=0.0, help="route the specwire rows through the delay proxy: round trip in ms"
     )
+    parser.set_defaults(command_line=None)  # the `specwire` command line sets it, for the report's metadata
     return parser
 
 
@@ -1112,13 +1049,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         quantize=args.quantize,
         target_threads=args.target_threads,
         gguf=args.gguf,
+        command=args.command_line,
     )
 
 
 def _default_medusa(target: str) -> str | None:
     """The demo target's shipped heads, when the target is the demo target and they exist."""
-    from specwire.demo import demo_medusa_dir, demo_target_dir
-
     heads = demo_medusa_dir()
     same = Path(target).resolve() == demo_target_dir().resolve()
     return str(heads) if same and heads.is_dir() else None
@@ -1126,7 +1062,7 @@ def _default_medusa(target: str) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     report = run_bench(config_from_args(args))
-    table = markdown_table(report)
+    table = render(report)
     document = json.dumps(report, indent=2) if args.json else table
     if args.out:
         Path(args.out).write_text(document + "\n")

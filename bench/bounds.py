@@ -29,13 +29,15 @@ Bounds, each a best case (no message, no token choice, no orchestrator):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
+from specwire.bench.bench import machine_info, model_label
+from specwire.bench.report import emit
 from specwire.orchestrator.speedup import expected_tokens_per_round, forward_cost_at
 from specwire.target_service.tune_medusa_tree import measure as tune
 
@@ -43,6 +45,7 @@ from specwire.demo import demo_draft_dir, demo_medusa_dir, demo_target_dir
 from specwire.engine import CausalLM, Engine, EngineLimits
 from specwire.medusa import MedusaHeads
 
+SCHEMA = "specwire.bounds/1"
 POSITIONS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 13, 16, 17, 24, 25, 33, 49, 65)
 GREEDY_ROUND = 16
 ALPHAS = (0.7, 0.77, 0.8, 0.9, 0.95)
@@ -121,7 +124,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     many = target.scheduler.time_decode_step(STREAMS, start=96)
     step_1, step_8 = (one[1], many[1]) if one[1] is not None and many[1] is not None else (one[0], many[0])
     batching = STREAMS * step_1 / step_8
+    started_at = datetime.now(timezone.utc)
     report: dict[str, Any] = {
+        "metadata": {
+            "schema": SCHEMA,
+            "date": started_at.isoformat(timespec="seconds"),
+            "target_model": model_label(args.target_model, demo_target_dir()),
+            "draft_model": model_label(args.draft_model, demo_draft_dir()),
+            "machine": machine_info(),
+        },
         "threads": args.threads,
         "quantization": {"target": target.lm.quantization, "draft": draft.lm.quantization},
         "target": {"forward_costs_ms": dict(verify), "greedy_ms_per_token": greedy_ms},
@@ -158,16 +169,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=31)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", help="also write the JSON report here")
+    parser.set_defaults(command_line=None)  # the `specwire` command line sets it, for the report's metadata
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     report = measure(args)
-    document = json.dumps(report, indent=2)
-    if args.out:
-        Path(args.out).write_text(document + "\n")
-    if args.json:
-        print(document)
+    report["metadata"]["command"] = args.command_line
+    if emit(report, args.out, args.json):
         return 0
     target, batching = report["target"], report["batching"]
     print(f"greedy: {target['greedy_ms_per_token']:.3f} ms a token; draft {report['draft']['greedy_ms_per_token']:.3f}")

@@ -1,8 +1,10 @@
-"""`specwire quality`: what quantised weights cost in output, against the float model.
+"""`specwire quality`: what quantised weights buy in speed and cost in output, against float.
 
-    specwire quality --model DIR [--quantize int8,int4] [--json]
+    specwire quality --model DIR [--quantize int8,int4] [--compile auto] [--threads N] [--json]
 
-For each mode, on the model's own engine (batched forward, eager):
+For each mode (float included), on the model's own engine as a service runs it (`--compile`):
+- speed: one session's cached forward at 1, 2, 5, 8 and 16 new positions (ms, median, after 64
+  tokens), and greedy tokens per second in a 16-token round (`Engine.measure_costs`);
 - held-out perplexity: exp of the mean next-token negative log-likelihood over the held-out
   files of the Python standard library (`specwire.demo.train_pair`'s split: text no demo model
   was trained on), in windows of `--window` tokens, float's beside it;
@@ -63,9 +65,19 @@ def greedy(engine: Engine, ids: list[int], new_tokens: int) -> list[int]:
         session.close()
 
 
-def measure(model: str, modes: list[str], windows: int, window: int, new_tokens: int) -> dict[str, Any]:
+SPEED_POSITIONS = (1, 2, 5, 8, 16)
+
+
+def speed(engine: Engine) -> dict[str, Any]:
+    costs, decode_ms = engine.measure_costs(positions=SPEED_POSITIONS, decode_tokens=16)
+    return {"forward_ms": {str(n): ms for n, ms in costs}, "greedy_tokens_per_s": 1e3 / decode_ms if decode_ms else None,
+            "forward_ratio_8_vs_1": costs[SPEED_POSITIONS.index(8)][1] / costs[0][1] if costs else None}
+
+
+def measure(model: str, modes: list[str], windows: int, window: int, new_tokens: int,
+            compile_mode: str = "auto") -> dict[str, Any]:
     engines = {mode: Engine(CausalLM.load(model, device="cpu", dtype="float32", quantization=mode), "target",
-                            EngineLimits(compile="off", max_batch_rows=2, max_cache_len=max(window, 512)))
+                            EngineLimits(compile=compile_mode, max_batch_rows=2, max_cache_len=max(window, 512)))
                for mode in ["none", *modes]}
     tokenizer = engines["none"].lm.tokenizer
     assert tokenizer is not None, "the model directory has no tokenizer"
@@ -88,7 +100,9 @@ def measure(model: str, modes: list[str], windows: int, window: int, new_tokens:
     prompts = [tokenizer(p).input_ids for p in DEFAULT_PROMPTS]
     continuations = {mode: [greedy(engine, ids, new_tokens) for ids in prompts] for mode, engine in engines.items()}
     report: dict[str, Any] = {"model": model, "held_out_positions": positions, "new_tokens": new_tokens,
-                              "float32_perplexity": math.exp(nll["none"] / max(1, positions)), "modes": {}}
+                              "compile": compile_mode, "threads": torch.get_num_threads(),
+                              "float32_perplexity": math.exp(nll["none"] / max(1, positions)),
+                              "float32_speed": speed(engines["none"]), "modes": {}}
     for mode in modes:
         same = [sum(a == b for a, b in zip(ours, theirs, strict=True))
                 for ours, theirs in zip(continuations[mode], continuations["none"], strict=True)]
@@ -97,6 +111,7 @@ def measure(model: str, modes: list[str], windows: int, window: int, new_tokens:
             "top1_agreement": agree[mode] / max(1, positions),
             "greedy_token_agreement": sum(same) / (new_tokens * len(prompts)),
             "greedy_prompts_identical": sum(s == new_tokens for s in same) / len(prompts),
+            "speed": speed(engines[mode]),
         }
     return report
 
@@ -108,19 +123,28 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--windows", type=int, default=16, help="held-out windows scored")
     parser.add_argument("--window", type=int, default=256, help="tokens per window")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per bench prompt")
+    parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="as a service's --compile")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, every core)")
     parser.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.quantize.split(",") if m.strip() and m.strip() != "none"]
-    report = measure(args.model, modes, args.windows, args.window, args.new_tokens)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = measure(args.model, modes, args.windows, args.window, args.new_tokens, args.compile)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"{report['model']}: {report['held_out_positions']} held-out positions, "
-          f"float32 perplexity {report['float32_perplexity']:.3f}")
+          f"float32 perplexity {report['float32_perplexity']:.3f}, {_speed_line(report['float32_speed'])}")
     for mode, figures in report["modes"].items():
         print(f"{mode}: perplexity {figures['perplexity']:.3f}, top-1 agreement {figures['top1_agreement']:.1%}, "
               f"greedy tokens equal {figures['greedy_token_agreement']:.1%}, "
-              f"prompts identical {figures['greedy_prompts_identical']:.0%}")
+              f"prompts identical {figures['greedy_prompts_identical']:.0%}, {_speed_line(figures['speed'])}")
     return 0
+
+
+def _speed_line(figures: dict[str, Any]) -> str:
+    forwards = ", ".join(f"{n}: {ms:.1f}" for n, ms in figures["forward_ms"].items())
+    return f"greedy {figures['greedy_tokens_per_s'] or 0:.1f} tok/s, forward ms at n positions {forwards}"

@@ -19,7 +19,6 @@ minute in (`rss_end_vs_1min`; against the first sample after warm-up for runs un
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+from specwire.bench.report import emit
 from specwire.client.launcher import Stack, StackConfig, free_base_port
 from specwire.client.sdk import Client, GenerationError
 
@@ -275,12 +275,7 @@ def run(args: argparse.Namespace) -> int:
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
     report = run_soak(config, log_dir)
-    document = json.dumps(report, indent=2)
-    if args.out:
-        Path(args.out).write_text(document + "\n")
-    if args.json:
-        print(document)
-    else:
+    if not emit(report, args.out, args.json):
         totals = report["totals"]
         print(f"{totals['generations']} generations, {totals['tokens']} tokens, {totals['tokens_per_s']:.1f} tok/s, "
               f"{totals['errors']} errors over {totals['elapsed_s']:.0f} s")

@@ -1,4 +1,4 @@
-"""The `specwire` command line: serve, up, generate, demo, trace, bench, experiment, distill."""
+"""The `specwire` command line: serve, up, generate, demo, trace, bench, experiment, startup-time, distill."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -13,18 +14,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specwire.bench import bench, bounds, draft_quality, experiment, quality, soak
+from specwire.bench import bench, bounds, draft_quality, experiment, quality, report, soak, startup
 from specwire.bench.entropix_plot import STATE_COLOURS, plot_decisions
 from specwire.client import pair
-from specwire.client.sdk import Client, GenerateResult, GenerationError, enum_names, stats_as_dict
+from specwire.client.sdk import Client, GenerateResult, GenerationError, enum_names
 from specwire.draft_service import distill
 from specwire.target_service import train_medusa
 from specwire.v1 import orchestrator_pb2
 
 from specwire import __version__, model_zoo, teacher_cache
-from specwire.config import OrchestratorConfig, compile_default
+from specwire.config import ModelServiceConfig, OrchestratorConfig, compile_default
 from specwire.engine import quantize
 from specwire.extras import require
+from specwire.serving import exit_now
 
 # Generation flags: (flag, type, help). The SDK keyword is the flag with underscores.
 GENERATION_FLAGS: list[tuple[str, Any, str]] = [
@@ -80,6 +82,7 @@ def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: i
         parser.add_argument("--ngram-max", type=int, default=3, help="n-gram drafter: longest n-gram to match")
         parser.add_argument("--ngram-min", type=int, default=1, help="n-gram drafter: shortest n-gram to match")
     _add_server_tls_flags(parser)
+    _add_drain_flag(parser)
     _add_telemetry_flags(parser)
 
 
@@ -88,6 +91,13 @@ def _add_quantize_flag(parser: argparse.ArgumentParser, flag: str = "--quantize"
         flag, default="auto", choices=list(quantize.MODES),
         help=f"{whom}'s linear weights: int8 / int4 on CPU; auto = what measured fastest here "
         "(int8 for a model too large for the CPU's caches, else none; none on CUDA)",
+    )
+
+
+def _add_drain_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--grace", type=float, default=ModelServiceConfig.grace_s,
+        help="on SIGTERM: seconds running calls get to finish before the service exits (a second signal: none)",
     )
 
 
@@ -150,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     orch.add_argument("--auth-token-file", help="accept only calls with `authorization: Bearer <a line of FILE>`")
     _add_server_tls_flags(orch)
+    _add_drain_flag(orch)
     _add_client_tls_flags(orch, "services-", "the model services")
     orch.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the target's)")
     orch.add_argument("--host", default="127.0.0.1")
@@ -208,9 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
         "and specwire-<service>, the Kubernetes Service names)",
     )
     bench.add_parser(commands)
+    report.add_parser(commands)
     experiment.add_parser(commands)
     soak.add_parser(commands)
     bounds.add_parser(commands)
+    startup.add_parser(commands)
     distill.add_parser(commands)
     train_medusa.add_parser(commands)
     teacher_cache.add_parser(commands)
@@ -319,15 +332,33 @@ def _print_result(result: GenerateResult, as_json: bool) -> None:
     print(result.text)
     for index, sequence in enumerate(result.sequences[1:], start=2):
         print(f"--- sequence {index} (score {sequence.score:.4f})\n{sequence.text}")
-    s = result.stats
+    print_summary(result.finish_reason, result.stats)
+
+
+def print_summary(finish_reason: str, stats: Any) -> None:
+    """One line of the main figures on stderr (and entropix's states), after the text."""
+    s = stats
     print(
-        f"\n[{result.finish_reason}] {s.new_tokens} tokens in {s.wall_ms:.0f} ms "
-        f"({1000 * s.new_tokens / max(s.wall_ms, 1e-9):.1f} tok/s), {s.rounds} rounds"
-        + (f", {s.expansions} target rows scored in {s.target_forwards} forwards" if s.expansions else ""),
+        f"\n[{finish_reason}] {s.new_tokens} tokens in {s.wall_ms:.0f} ms "
+        f"({1000 * s.new_tokens / max(s.wall_ms, 1e-9):.1f} tok/s), {s.rounds} rounds, "
+        + (f"{s.expansions} target rows scored in {s.target_forwards} forwards" if s.expansions
+           else f"{s.target_forwards} target forwards")
+        + speculation_figures(s),
         file=sys.stderr,
     )
     if s.entropix_states:
         print(f"entropix states: {format_states(s.entropix_states)}", file=sys.stderr)
+
+
+def speculation_figures(stats: Any) -> str:
+    """What speculation did, for a human (empty when nothing was drafted or skipped)."""
+    text = ""
+    if stats.drafted_tokens:
+        text += (f", {stats.accepted_tokens} of {stats.drafted_tokens} drafted tokens accepted "
+                 f"({stats.acceptance_rate:.0%}), {stats.tokens_per_target_forward:.2f} tokens/forward")
+    if stats.speculation_off_rounds:
+        text += f", {stats.speculation_off_rounds} of {stats.rounds} rounds target-only"
+    return text
 
 
 def format_states(counts: dict[str, int]) -> str:
@@ -369,7 +400,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(delta.text, end="", flush=True)
                 last = delta
             if last is not None and last.stats is not None:
-                print(f"\n[{last.finish_reason}] {json.dumps(stats_as_dict(last.stats))}", file=sys.stderr)
+                print_summary(last.finish_reason, last.stats)
             return 0
         result = client.generate(args.prompt, **kwargs)
         _print_result(result, args.json)
@@ -426,41 +457,35 @@ def cmd_up(args: argparse.Namespace) -> int:
     from specwire.client.launcher import Stack
 
     stack = Stack(_stack_config(args))
-    stopping = {"signal": False}
-
-    def on_signal(signum: int, frame: object) -> None:
-        stopping["signal"] = True
-
     if args.http_port:  # refused before anything starts
         require("uvicorn", "http", "specwire up --http-port")
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    stack.start()
-    c = stack.config
-    print(f"orchestrator  {c.address}")
-    print(f"draft         {c.host}:{c.draft_port}")
-    print(f"target        {', '.join(f'{c.host}:{port}' for port in c.target_ports)}")
-    if c.tls_dir:
-        print(f"mutual TLS    between the services; CA and certificates in {c.tls_dir}")
-    if c.http_port:
-        print(f"openai http   http://{c.host}:{c.http_port}/v1")
-    if c.auth_token_file:
-        print(f"auth          bearer tokens from {c.auth_token_file} (specwire generate --token-file FILE)")
-    if c.proxied:
-        print(f"delay proxies draft {c.host}:{c.draft_proxy_port}, target {c.host}:{c.target_proxy_port} "
-              f"(RTT {c.rtt_ms:g} ms ± {c.jitter_ms:g}, {c.bandwidth_mbps or '∞'} Mbit/s)")
-    if args.trace_dir:
-        print(f"traces        {Path(args.trace_dir).resolve()}/{{orchestrator,draft,target}}.jsonl")
-    if args.metrics_port:
-        print(f"metrics       http://{c.host}:{args.metrics_port}/metrics (draft +1, target +2)")
-    print(f"Ctrl-C stops all {'four' if c.http_port else 'three'}; a child that exits is restarted.", flush=True)
     try:
-        while not stopping["signal"]:
+        stack.start()
+        c = stack.config
+        print(f"orchestrator  {c.address}")
+        print(f"draft         {c.host}:{c.draft_port}")
+        print(f"target        {', '.join(f'{c.host}:{port}' for port in c.target_ports)}")
+        if c.tls_dir:
+            print(f"mutual TLS    between the services; CA and certificates in {c.tls_dir}")
+        if c.http_port:
+            print(f"openai http   http://{c.host}:{c.http_port}/v1")
+        if c.auth_token_file:
+            print(f"auth          bearer tokens from {c.auth_token_file} (specwire generate --token-file FILE)")
+        if c.proxied:
+            print(f"delay proxies draft {c.host}:{c.draft_proxy_port}, target {c.host}:{c.target_proxy_port} "
+                  f"(RTT {c.rtt_ms:g} ms ± {c.jitter_ms:g}, {c.bandwidth_mbps or '∞'} Mbit/s)")
+        if args.trace_dir:
+            print(f"traces        {Path(args.trace_dir).resolve()}/{{orchestrator,draft,target}}.jsonl")
+        if args.metrics_port:
+            print(f"metrics       http://{c.host}:{args.metrics_port}/metrics (draft +1, target +2)")
+        print(f"Ctrl-C stops all {'four' if c.http_port else 'three'}; a child that exits is restarted.", flush=True)
+        while True:
             stack.supervise()
             time.sleep(0.2)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM, while starting too
+        return 0
     finally:
         stack.stop()
-    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -496,10 +521,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 result = client.generate(prompt=args.prompt, max_new_tokens=args.max_new_tokens, **kwargs)
                 s = result.stats
                 line = f"\n=== {label}\n    {s.new_tokens} tokens in {s.wall_ms:.0f} ms, {s.target_forwards} target forwards"
-                if s.drafted_tokens:
-                    line += f", acceptance {s.acceptance_rate:.0%}, {s.tokens_per_target_forward:.2f} tokens/forward"
-                if s.speculation_off_rounds:
-                    line += f", {s.speculation_off_rounds} of {s.rounds} rounds target-only"
+                line += speculation_figures(s)
                 if s.entropix_states:
                     line += f", states: {format_states(s.entropix_states)}"
                 print(line + f", finish={result.finish_reason}")
@@ -508,12 +530,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from specwire.config import ModelServiceConfig, OrchestratorConfig
     from specwire.security import client_tls, server_tls
 
     if args.role == "http":
         return serve_http(args)
     tls = server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+    if not 0 <= args.grace < float("inf"):
+        raise SystemExit(f"--grace must be a finite number of seconds ≥ 0, got {args.grace}")
 
     if args.role == "orchestrator":
         from specwire.orchestrator.server import main as serve_orchestrator
@@ -533,6 +556,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 services_tls=client_tls(args.services_tls_ca, args.services_tls_cert, args.services_tls_key),
                 auth_token_file=args.auth_token_file,
                 health_port=args.health_port,
+                grace_s=args.grace,
             )
         )
         return 0
@@ -559,6 +583,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         telemetry=_telemetry_config(args),
         tls=tls,
         health_port=args.health_port,
+        grace_s=args.grace,
     )
     if args.role == "draft":
         from specwire.draft_service.server import main as serve_draft
@@ -631,7 +656,9 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "distill": distill.run, "train-medusa": train_medusa.main, "teacher-cache": teacher_cache.run, "pair": pair.run, "models": model_zoo.run, "quality": quality.run, "draft-quality": draft_quality.run}
+# The commands that start services as children (`specwire.client.launcher.Stack`).
+STACK_COMMANDS = {"up", "demo", "bench", "experiment", "soak", "startup-time"}
+COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "report": report.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "startup-time": startup.run, "distill": distill.run, "train-medusa": train_medusa.main, "teacher-cache": teacher_cache.run, "pair": pair.run, "models": model_zoo.run, "quality": quality.run, "draft-quality": draft_quality.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -639,8 +666,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # steal the cores the other service is computing on (measured: 60× slower steps on 2 cores).
     # Must be set before torch loads OpenMP; an explicit setting wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.command_line = shlex.join(["specwire", *argv])  # recorded with measurements (`bench`)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    if args.command in STACK_COMMANDS:
+        # SIGTERM ends the command as Ctrl-C does, so the stacks it started stop on the way out.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return COMMANDS[args.command](args)
     except GenerationError as error:
@@ -650,4 +682,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if args.command in STACK_COMMANDS:
+            # What ran in this thread has cleaned up on the way here; a stack still starting on
+            # another thread is not waited for (its children stop with this process).
+            exit_now(130)
         return 130

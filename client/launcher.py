@@ -3,7 +3,8 @@ the OpenAI-compatible HTTP front as a fourth when asked for.
 
 Each child prints `READY <role> <host>:<port>` once it reports SERVING; the launcher waits for
 all of them (every target replica too), and stops them all (SIGTERM, then SIGKILL after a grace
-period) on exit.
+period) on exit. However the launcher itself dies, even by SIGKILL, its children stop too
+(`specwire.lifeline`).
 
 `Stack.supervise`, called periodically (`specwire up` does), restarts a child that exited, after
 a back-off that doubles with each crash in a row (1 s up to 30 s; reset once a child has stayed
@@ -25,6 +26,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from specwire.lifeline import Lifeline
 
 
 @dataclass(frozen=True)
@@ -180,6 +183,7 @@ class Stack:
     config: StackConfig
     processes: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
     _ready: dict[str, threading.Event] = field(default_factory=dict)
+    _lifeline: Lifeline | None = None  # every child stops when this process dies
     _restarts: dict[str, Restarts] = field(default_factory=dict)
     _log_dir: Path | None = None
 
@@ -237,9 +241,13 @@ class Stack:
             self._wait(["http"], timeout)
 
     def _spawn(self, role: str, command: list[str], log_dir: Path | None, ready_label: str | None = None) -> None:
+        if self._lifeline is None:
+            self._lifeline = Lifeline()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # A session of its own: Ctrl-C in a terminal reaches `up`, which stops the children in order.
         process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env=self._lifeline.child_env(env), pass_fds=(self._lifeline.read_fd,),
         )
         self.processes[role] = process
         restarted = role in self._restarts
@@ -309,6 +317,13 @@ class Stack:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        if self._lifeline is not None:
+            self._lifeline.close()
+            self._lifeline = None
+
+    def ready(self, role: str) -> bool:
+        """Whether `role`'s current process has printed its READY line."""
+        return role in self._ready and self._ready[role].is_set()
 
     def __enter__(self) -> Stack:
         return self

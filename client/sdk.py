@@ -1,7 +1,7 @@
 """The Python SDK: sync `Client` and asyncio `AsyncClient` over the `Orchestrator` API.
 
 Parameters are named like the CLI flags with underscores (`temperature`, `top_k`, `num_beams`,
-`stop_strings`, `input_ids`, …), as in transformers' `generate`; the README lists the few that
+`stop_strings`, `input_ids`, …), as in transformers' `generate`; docs/strategies.md lists the few that
 are ours (`ignore_eos`, `seed`, `num_speculative_tokens`, …). Enum parameters take lowercase
 names (`strategy="beam"`, `early_stopping=True | False | "never"`, `cd_form="li"`); results give
 `finish_reason` as "eos", "length" or "stop". Results are typed.

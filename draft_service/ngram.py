@@ -17,13 +17,14 @@ For the same reason `propose_greedy`, `propose_seed` and `propose_min_confidence
 
 `Info` needs the vocabulary size, eos ids and tokenizer fingerprint of the model it drafts for;
 they come from a tokenizer / model directory (`--model`, by default the demo target's), reading
-only `config.json` and the tokenizer files — never weights.
+only `generation_config.json`, `config.json` and the tokenizer files — never weights. Eos ids are
+taken in the order a model service takes them: generation config, then config, then tokenizer.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, GenerationConfig
 
 from specwire.engine import eos_token_ids, load_tokenizer, tokenizer_fingerprint
 from specwire.errors import InvalidArgument, check_token_ids
@@ -90,6 +91,11 @@ class NgramDrafter:
             config = AutoConfig.from_pretrained(source)
         except (OSError, ValueError):
             config = None  # a tokenizer-only directory
+        try:
+            # Where generation stops: it may list more ids than config.json (Gemma-3: [1, 106] vs 1).
+            generation: GenerationConfig | None = GenerationConfig.from_pretrained(source)
+        except (OSError, ValueError):
+            generation = None
         vocab_size = getattr(config.get_text_config(), "vocab_size", None) if config is not None else None
         if vocab_size is None:
             if tokenizer is None:
@@ -98,7 +104,9 @@ class NgramDrafter:
         return cls(
             vocab_size=int(vocab_size),
             eos_token_ids=eos_token_ids(
-                getattr(config, "eos_token_id", None), tokenizer.eos_token_id if tokenizer is not None else None
+                getattr(generation, "eos_token_id", None),
+                getattr(config, "eos_token_id", None),
+                tokenizer.eos_token_id if tokenizer is not None else None,
             ),
             fingerprint=tokenizer_fingerprint(tokenizer),
             ngram_max=ngram_max,

@@ -93,10 +93,17 @@ class EntropixConfig:
     score_agreement: float = 0.5
     score_interaction_strength: float = 0.6
 
-    def columns(self) -> int:
+    def columns(self, vocab_size: int) -> int:
         """The most top-ranked logits any state may keep (its top-k): what the target must send."""
-        branch = int(self.top_k * (1 + self.branch_top_k_coefficient))
-        return max(self.top_k, branch, self.branch_min_top_k, self.adaptive_max_top_k)
+        branch = int(bounded_count(self.top_k * (1 + self.branch_top_k_coefficient), vocab_size))
+        return min(vocab_size, max(self.top_k, branch, self.branch_min_top_k, self.adaptive_max_top_k))
+
+
+def bounded_count(k: float, most: int) -> float:
+    """A top-k the policy computed, clamped to [1, most] while still a float, NaN to 1: a
+    coefficient near float32's largest value makes k ≈ 1e41, which no integer field holds, and
+    keeping more tokens than the vocabulary has keeps the vocabulary."""
+    return min(float(most), max(1.0, k))
 
 
 CONFIG_FIELDS = tuple(f.name for f in fields(EntropixConfig))
@@ -168,12 +175,13 @@ def argmax_decision(c: EntropixConfig) -> Decision:
     return Decision("argmax", 0.0, 1.0, 1, 0.0)
 
 
-def branch_decision(m: Metrics, c: EntropixConfig) -> Decision:
+def branch_decision(m: Metrics, c: EntropixConfig, vocab_size: int) -> Decision:
     """Low H, high V: T = min(1.5, T₀ · (1.2 + 0.3 · interaction)); top-k widened as agreement
-    falls, k = max(5, ⌊k₀ · (1 + 0.5 · (1 − agreement))⌋)."""
+    falls, k = max(5, ⌊k₀ · (1 + 0.5 · (1 − agreement))⌋), at most the vocabulary."""
     raise_by = c.branch_temperature_offset + c.branch_temperature_coefficient * m.interaction_strength
     temperature = min(c.branch_max_temperature, c.temperature * raise_by)
-    top_k = max(c.branch_min_top_k, int(c.top_k * (1 + c.branch_top_k_coefficient * (1 - m.agreement))))
+    widened = int(bounded_count(c.top_k * (1 + c.branch_top_k_coefficient * (1 - m.agreement)), vocab_size))
+    top_k = min(vocab_size, max(c.branch_min_top_k, widened))
     return Decision("branch", temperature, c.top_p, top_k, c.min_p)
 
 
@@ -212,12 +220,12 @@ def adaptive_decision(m: Metrics, c: EntropixConfig) -> Decision:
     )
     top_p = min(1.0, max(0.1, c.top_p * (1 + c.adaptive_top_p_coefficient * m.attn_varentropy)))
     widen = 1 + c.adaptive_top_k_interaction * m.interaction_strength - c.adaptive_top_k_agreement * m.agreement
-    top_k = min(c.adaptive_max_top_k, max(1, round(c.top_k * widen)))
+    top_k = round(bounded_count(c.top_k * widen, c.adaptive_max_top_k))
     min_p = min(0.5, max(0.01, c.adaptive_min_p * (1 - c.adaptive_min_p_coefficient * logits_u)))
     return Decision("adaptive", max(c.temperature * raise_by, 1e-3), top_p, top_k, min_p, samples=c.adaptive_samples)
 
 
-def decide(m: Metrics, c: EntropixConfig, last_token: int) -> Decision:
+def decide(m: Metrics, c: EntropixConfig, last_token: int, vocab_size: int) -> Decision:
     """The policy: `classify`, then that state's warpers."""
     state = classify(m, c)
     if state == "argmax":
@@ -225,7 +233,7 @@ def decide(m: Metrics, c: EntropixConfig, last_token: int) -> Decision:
     if state == "clarify":
         return clarify_decision(m, c, last_token)
     if state == "branch":
-        return branch_decision(m, c)
+        return branch_decision(m, c, vocab_size)
     if state == "resample":
         return resample_decision(m, c)
     return adaptive_decision(m, c)

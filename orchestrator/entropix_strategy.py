@@ -71,7 +71,7 @@ def decide_token(
 ) -> int:
     """The next token by the policy, from a target-only step's one scored row; recorded."""
     metrics = position_metrics(result)
-    decision = decide(metrics, config, last_token)
+    decision = decide(metrics, config, last_token, ctx.target.info.vocab_size)
     if decision.clarify:
         token = config.clarifying_token
     else:
@@ -96,7 +96,7 @@ async def entropix(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
         async for decided in entropix_speculative(ctx, config):
             yield decided
         return
-    columns = min(config.columns(), ctx.target.info.vocab_size)
+    columns = config.columns(ctx.target.info.vocab_size)
     scoring = Scoring(ScoreKind.LOGITS, top_n=columns, extras=EXTRAS)
     target = ctx.target_session()
     with ctx.round(tokens=1) as current:
@@ -115,7 +115,7 @@ def policy_row(
 ) -> tuple[torch.Tensor, Decision, Metrics]:
     """The policy's distribution at one verified position, dense [vocab], with its decision."""
     metrics = position_metrics(verified, row)
-    decision = decide(metrics, config, last_token)
+    decision = decide(metrics, config, last_token, vocab)
     dense = torch.zeros(vocab)
     if decision.clarify:
         dense[config.clarifying_token] = 1.0
@@ -154,7 +154,7 @@ async def entropix_speculative(ctx: DecodeContext, config: EntropixConfig) -> As
                 drafts = proposal.proposed_ids.reshape(-1).tolist()
                 draft_probs = proposal.proposal_scores.to_dense(vocab, 0.0)  # [γ, vocab]
             keep, append = target_sync.catch_up(history)
-            scoring = Scoring(ScoreKind.LOGITS, positions=len(drafts) + 1, top_n=min(config.columns(), vocab),
+            scoring = Scoring(ScoreKind.LOGITS, positions=len(drafts) + 1, top_n=config.columns(vocab),
                               extras=EXTRAS)
             verified = await target.step(StepRequest(keep_tokens=keep, append_ids=append + drafts, scoring=scoring,
                                                      trace=ctx.trace()))

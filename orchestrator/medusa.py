@@ -32,7 +32,7 @@ from specwire.medusa import TreeLayout, build_tree, tree_children, tree_path
 from specwire.session import OpenRequest, ScoreKind, Scores, Scoring, StepRequest
 
 # The 24 paths of top-k indices with the highest measured match rates for the demo target and its
-# shipped heads, on greedy continuations of held-out stdlib files (`tune_medusa_tree`, README).
+# shipped heads, on greedy continuations of held-out stdlib files (`tune_medusa_tree`, docs/medusa.md).
 DEFAULT_CHOICES: list[list[int]] = [
     [0], [1], [0, 0], [1, 0], [0, 1], [0, 1, 1], [0, 0, 0], [1, 0, 0], [2], [3], [1, 1], [1, 1, 0],
     [0, 0, 1], [0, 2], [0, 5], [4], [2, 0], [0, 0, 2], [5], [1, 3], [0, 1, 0], [0, 4], [2, 5], [0, 2, 0],

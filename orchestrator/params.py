@@ -314,19 +314,45 @@ def entropix_config(
 
 
 MAX_MEDUSA_NODES = 256
+# A path is a list inside a list: anything nested deeper is refused before the JSON parser,
+# whose recursion a text of a thousand '[' would exhaust.
+MEDUSA_CHOICES_DEPTH = 2
+# 255 paths of a dozen 4-digit indices fit in well under this.
+MAX_MEDUSA_CHOICES_CHARS = 65536
+
+
+def json_depth(text: str) -> int:
+    """The deepest nesting of '[' / '{' in `text` (brackets inside strings counted too: a
+    string is no valid path, so an overestimate only refuses what is refused anyway)."""
+    depth = deepest = 0
+    for char in text:
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
 
 
 def parse_medusa_choices(text: str) -> list[list[int]]:
     """`medusa_choices`: a JSON list of paths of top-k indices whose prefixes are paths too."""
+    if len(text) > MAX_MEDUSA_CHOICES_CHARS:
+        raise InvalidArgument("medusa_choices", f"must be at most {MAX_MEDUSA_CHOICES_CHARS} characters, got {len(text)}")
+    if json_depth(text) > MEDUSA_CHOICES_DEPTH:
+        raise InvalidArgument("medusa_choices", f"must be a JSON list of lists, nested {MEDUSA_CHOICES_DEPTH} deep at most")
     try:
         choices = json.loads(text)
-        if not isinstance(choices, list) or not all(
-            isinstance(c, list) and c and all(isinstance(i, int) and 0 <= i < 1024 for i in c) for c in choices
-        ):
-            raise ValueError("expected a list of non-empty lists of top-k indices in [0, 1024)")
-        build_tree(choices)
-    except ValueError as error:
-        raise InvalidArgument("medusa_choices", f"must be a JSON list of paths of top-k indices: {error}") from None
+    except ValueError as error:  # also a number of more digits than Python converts
+        raise InvalidArgument("medusa_choices", f"must be JSON: {error}") from None
+    # JSON's true / false are no indices, though Python's bool is an int.
+    if not isinstance(choices, list) or not all(
+        isinstance(c, list) and c and all(type(i) is int and 0 <= i < 1024 for i in c) for c in choices
+    ):
+        raise InvalidArgument("medusa_choices", "must be a JSON list of non-empty lists of top-k indices in [0, 1024)")
     if not 1 <= len(choices) < MAX_MEDUSA_NODES:
         raise InvalidArgument("medusa_choices", f"must name between 1 and {MAX_MEDUSA_NODES - 1} paths")
+    try:
+        build_tree(choices)
+    except ValueError as error:  # build_tree's message names the field already
+        raise InvalidArgument("medusa_choices", str(error).removeprefix("medusa_choices: ")) from None
     return [list(c) for c in choices]

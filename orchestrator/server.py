@@ -17,11 +17,12 @@ from specwire.orchestrator.replicas import ReplicaCollector, ReplicaSet
 from specwire.orchestrator.stats import RunStats
 from specwire.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
-from specwire import security, serving, telemetry
+from specwire import security, serving, telemetry, wire
 from specwire.config import OrchestratorConfig
 from specwire.engine import load_tokenizer
 from specwire.errors import FailedPrecondition, StatusError, capped
 from specwire.metrics import OrchestratorMetrics, serve_metrics
+from specwire.startup import StartupClock, StartupTimes
 
 log = logging.getLogger("specwire")
 SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
@@ -73,6 +74,7 @@ def delta_to_pb(decoder: Decoder, delta: Delta) -> orchestrator_pb2.GenerateDelt
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def __init__(self, decoder: Decoder) -> None:
         self.decoder = decoder
+        self.startup: StartupTimes | None = None  # set once SERVING
 
     def _replicas_pb(self) -> list[orchestrator_pb2.Replica]:
         handles = [self.decoder.target, self.decoder.draft]
@@ -130,6 +132,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             target_capabilities=target.capabilities,
             replicas=self._replicas_pb(),
             tokenizer_source=decoder.tokenizer.name_or_path,
+            startup=wire.startup_to_pb(self.startup) if self.startup is not None else None,
         )
 
 
@@ -192,6 +195,8 @@ async def run(config: OrchestratorConfig) -> None:
         "orchestrator", observe.trace_exporter, observe.trace_file, observe.trace_sample_ratio, set_global=True
     )
     metrics = OrchestratorMetrics() if observe.metrics_port else None
+    clock = StartupClock()
+    clock.mark("boot")
     try:
         decoder = await build_decoder(config, tracing, metrics)
     except (StatusError, ValueError) as error:
@@ -211,8 +216,11 @@ async def run(config: OrchestratorConfig) -> None:
 
     metrics_server = serve_metrics(metrics.registry, config.host, observe.metrics_port) if metrics else None
 
+    clock.mark("connect")
+
     async def ready() -> None:
-        return None
+        servicer.startup = clock.times()
+        log.warning("orchestrator: SERVING %s after its process started", servicer.startup.describe())
 
     try:
         await serving.serve_until_signalled(
@@ -231,3 +239,4 @@ async def run(config: OrchestratorConfig) -> None:
 
 def main(config: OrchestratorConfig) -> None:
     asyncio.run(run(config))
+    serving.exit_now(0)  # drained and flushed: no interpreter teardown (see model_server.main)

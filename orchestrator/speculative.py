@@ -4,43 +4,17 @@ References: Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers v
 Decoding" (ICML, arXiv:2211.17192), Algorithm 1; Chen et al. 2023, "Accelerating Large Language
 Model Decoding with Speculative Sampling" (arXiv:2302.01318), Algorithm 2.
 
-A round (DESIGN.md, "Round of speculative sampling"):
+A round is one message to each service: the draft rolls back, appends and proposes γ tokens; the
+target rolls back, appends them and scores γ+1 positions; the acceptance rule
+(`specwire.acceptance`) decides, here or, for sampled rounds, in the target where p is
+(`Step.verify`). Around that: auto γ from the latency model in `speedup` with target-only rounds
+when speculation is predicted slower, pipelined drafting, and the n-gram drafter run on the
+orchestrator's own history. docs/speculative.md and docs/architecture.md give the message flow.
 
-1. draft: roll back to the tokens it still agrees on (`keep_tokens`), append the decided tokens it
-   has not seen (the previous round's correction or bonus), propose up to γ tokens — one message;
-2. target: the same roll-back and append, plus the proposals, scoring the γ+1 positions — one
-   message, one forward pass;
-3. the orchestrator decides with the pure functions below; the roll-backs ride on the next
-   round's messages, so a round is exactly one trip to each service.
-
-Greedy rounds carry argmax ids only. In sampled rounds the draft proposes from its top
-`DRAFT_TOP_K` tokens, renormalised, and sends that q sparse; the orchestrator forwards q and a
-seed it draws to the target, which decides the round where p is (`Step.verify`, the same pure
-function in `specwire.acceptance`) and answers with the accepted length and the correction or
-bonus token: p never travels. Against a target without the "verify" capability, p comes back
-(float32, see `SCORE_KIND_PROBS` in protos/model.proto; sparse when the request truncates) and
-the orchestrator decides. The
-n-gram drafter runs here, on the orchestrator's history: no draft message at all, and its q is
-one-hot on the proposed token, which keeps the rule exact.
-
-Beyond the reference flow: γ is chosen per round (`num_speculative_tokens` unset or 0) from
-running estimates of the costs, trip times and α by the latency model in `speedup` (starting
-from the costs the services timed at warm-up, `Info.forward_costs`, and with a verification
-that costs more the more positions it scores), which may choose a target-only round
-(multi-step, as in `standard`) when speculation is predicted slower, probing again after 4, 8,
-then every 16 such rounds while α's upper bound leaves speculation a chance; a round with
-nothing to verify is a target-only one too. With a model draft, the next round's
-proposal is drafted while the target verifies this one (pipelined drafting), on the guess that
-every draft is accepted and the bonus token is the draft's own next token. A wrong guess costs
-a discarded proposal and a roll-back that rides on the next draft message.
-
-Statistics. Every speculative round yields `accepted + 1` tokens: the accepted draft tokens, then
-either a correction (a draft token was rejected) or a bonus (every drafted token — possibly none
-— was accepted). So, before the output is trimmed, tokens out = accepted + corrections + bonuses
-+ target-only tokens, and `accepted_length_histogram` sums to `rounds` − `speculation_off_rounds`. The strategy never drafts past `max_new_tokens`
-(γ is capped by the tokens still wanted), so only an eos or a stop string trims a round's tokens;
-with `ignore_eos` and no stop strings, `new_tokens` = accepted + corrections + bonuses +
-target-only tokens exactly.
+Statistics: every speculative round yields accepted + 1 tokens (a correction or a bonus), so
+before trimming, tokens out = accepted + corrections + bonuses + target-only tokens, and
+`accepted_length_histogram` sums to `rounds` − `speculation_off_rounds`. γ never drafts past
+`max_new_tokens`, so only an eos or a stop string trims a round.
 """
 
 from __future__ import annotations

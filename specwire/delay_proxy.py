@@ -1,8 +1,8 @@
 """A user-space TCP proxy that makes loopback look like a long link: one-way delay, jitter, bandwidth.
 
-This machine's kernel has no `tc netem`, so cross-host latency is emulated here instead: the proxy
-sits between the orchestrator and a model service, and every chunk of bytes read from one side is
-written to the other side no earlier than
+It needs neither root nor the kernel's `tc netem`, so cross-host latency can be emulated on any
+machine: the proxy sits between the orchestrator and a model service, and every chunk of bytes
+read from one side is written to the other side no earlier than
 
     release = max(tx_end + max(0, delay + U(−jitter, +jitter)), previous release)
     tx_end  = max(arrival, link free) + bytes · 8 / bandwidth
@@ -30,6 +30,8 @@ import random
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from specwire.lifeline import watch_parent
 
 CHUNK_BYTES = 64 * 1024
 # Chunks read but not yet written, per direction of a connection, before reading pauses.
@@ -244,6 +246,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    watch_parent()  # started by `specwire up` / `bench`: stop when it dies
     try:
         LinkConfig(args.delay_ms, args.jitter_ms, args.bandwidth_mbps)
         split_address(args.listen)

@@ -24,6 +24,7 @@ from specwire import telemetry, wire
 from specwire.errors import InvalidArgument, StatusError, capped
 from specwire.metrics import ModelServiceMetrics
 from specwire.session import Backend, BackendSession, OpenRequest, ScoreKind, StepRequest
+from specwire.startup import StartupTimes
 from specwire.v1 import model_pb2, model_pb2_grpc
 
 log = logging.getLogger("specwire")
@@ -92,13 +93,17 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         self.role = role or (backend.info().role if backend is not None else "model")
         self.tracing = tracing
         self.metrics = metrics
+        self.startup: StartupTimes | None = None  # set once SERVING
 
     async def Info(self, request: model_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> model_pb2.ModelInfo:
         caller = telemetry.carrier_from_metadata(context.invocation_metadata()) if self.tracing else None
         if self.tracing is not None and caller is not None:
             self.tracing.start_span("Info", telemetry.extract(caller), SpanKind.SERVER).end()
         backend = await self._loaded(context)
-        return wire.info_to_pb(backend.info())
+        reply = wire.info_to_pb(backend.info())
+        if self.startup is not None:
+            reply.startup.CopyFrom(wire.startup_to_pb(self.startup))
+        return reply
 
     async def _loaded(self, context: grpc.aio.ServicerContext) -> Backend:
         if self.backend is None:

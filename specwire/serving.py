@@ -2,18 +2,23 @@
 
 A service is SERVING on the standard health protocol only once `ready()` has run (model loaded
 and warmed up). SIGTERM or SIGINT flips health to NOT_SERVING, stops accepting calls and gives
-in-flight generations `grace` seconds to finish.
+in-flight generations `grace` seconds to finish; one that comes while the model is still loading
+or compiling stops the service at once (docs/operations.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
+import os
 import signal
+import sys
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from specwire.security import ServerTLS
 
 log = logging.getLogger("specwire")
+T = TypeVar("T")
 
 # Messages carry dense distributions (vocab × positions × 4 bytes); 64 MiB covers a 256k vocab
 # at γ = 64 in float32.
@@ -176,6 +182,38 @@ async def drain(running: RunningServer, grace: float) -> None:
         await running.health_server.stop(0)
 
 
+async def in_thread(work: Callable[[], T]) -> T:
+    """`work()` on a daemon thread of its own, awaited. Unlike `asyncio.to_thread`, a wait that
+    is cancelled leaves nothing for the process's exit to join: loading a model or compiling it
+    cannot be interrupted, and a service told to stop must not wait for either to end."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: Callable[[Any], None], value: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+            loop.call_soon_threadsafe(lambda: None if future.done() else outcome(value))
+
+    def run() -> None:
+        try:
+            result = work()
+        except BaseException as error:  # handed to the waiter, which raises it
+            settle(future.set_exception, error)
+        else:
+            settle(future.set_result, result)
+
+    threading.Thread(target=run, daemon=True, name="startup").start()
+    return await future
+
+
+async def _signalled_first(task: asyncio.Future[Any], stop: asyncio.Event) -> bool:
+    """Wait for `task` or `stop`, whichever comes first; True when `stop` did (the task is left
+    running)."""
+    signalled = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([task, signalled], return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    return not task.done()
+
+
 async def serve_until_signalled(
     running: RunningServer,
     service_names: Sequence[str],
@@ -185,13 +223,22 @@ async def serve_until_signalled(
     grace: float = 10.0,
     on_serving: Callable[[], None] | None = None,
 ) -> None:
-    """Run `ready` (load + warm up), report SERVING, and serve until SIGTERM/SIGINT.
+    """Run `ready` (load + warm up), report SERVING, and serve until SIGTERM/SIGINT; then drain:
+    new calls are refused and running ones get `grace` seconds. A signal is honoured at any
+    moment: while `ready` runs, the service stops at once (nothing was served; `ready` is left
+    to itself, see `in_thread`); a second signal while draining cuts the grace short.
     `on_serving` runs once SERVING is set (the orchestrator makes its health follow the services')."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await ready()
+    starting = asyncio.ensure_future(ready())
+    if await _signalled_first(starting, stop):
+        starting.cancel()
+        log.warning("%s stopped while starting", label)
+        await drain(running, 0)
+        return
+    starting.result()  # a failed start raises here
     await mark_serving(running, service_names)
     if on_serving is not None:
         on_serving()
@@ -199,7 +246,21 @@ async def serve_until_signalled(
     print(f"READY {label} {host}:{running.port}", flush=True)
     await stop.wait()
     log.info("%s draining (grace %.0fs)", label, grace)
-    await drain(running, grace)
+    stop.clear()
+    draining = asyncio.ensure_future(drain(running, grace))
+    if await _signalled_first(draining, stop):
+        log.warning("%s: a second signal, stopping now", label)
+        await drain(running, 0)
+        await draining
+
+
+def exit_now(code: int = 0) -> NoReturn:
+    """End the process without joining its threads (a model still loading or compiling): the
+    logs and stdio flushed first, nothing else run."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def wait_for_health(address: str, timeout: float, service: str = "") -> None:

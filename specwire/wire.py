@@ -28,6 +28,7 @@ from specwire.session import (
     Verdict,
     Verification,
 )
+from specwire.startup import StartupTimes
 from specwire.v1 import common_pb2, model_pb2
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -328,6 +329,11 @@ def info_to_pb(info: ModelInfo) -> model_pb2.ModelInfo:
         quantization=info.quantization,
         compiled=info.compiled,
     )
+
+
+def startup_to_pb(times: StartupTimes) -> common_pb2.StartupTimes:
+    phases = [common_pb2.StartupPhase(name=name, seconds=seconds) for name, seconds in times.phases]
+    return common_pb2.StartupTimes(serving_s=times.serving_s, phases=phases)
 
 
 def cache_to_pb(usage: CacheUsage) -> model_pb2.CacheInfo:

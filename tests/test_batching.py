@@ -296,14 +296,18 @@ def test_a_forward_that_fails_to_compile_is_served_eagerly(
     assert result.scores is not None and result.scores.rows == 1
 
 
+@pytest.mark.timeout(1500)  # compiling every common shape takes minutes on a busy machine
 def test_compiled_forward_serves_concurrent_sessions_like_the_eager_one(llama_target_dir: Path) -> None:
-    """`--compile on` (CPU: one set of graphs over symbolic shapes): six sessions at once —
-    greedy and seeded sampling rounds, a repetition penalty, two branches, and entropix's
-    attention statistics — choose the tokens their solo runs on the eager engine choose, with
-    logits and statistics equal to 1e-5 (compiled reductions are not bit-identical)."""
-    compiled = engine(llama_target_dir, max_batch_rows=8, max_cache_len=96, compile="on")
+    """`--compile on` (CPU: one set of graphs over symbolic shapes), compiling in the background
+    as a service does: six sessions at once — greedy and seeded sampling rounds, a repetition
+    penalty, two branches, and entropix's attention statistics — choose the tokens their solo
+    runs on the eager engine choose, with logits and statistics equal to 1e-5 (compiled
+    reductions are not bit-identical), both while the shapes are being compiled (each forward
+    eager or compiled as its shape is) and once they all are."""
+    compiled = engine(llama_target_dir, max_batch_rows=8, max_cache_len=96, compile="on", compile_in_background=True)
+    compiled.warmup()  # then it starts compiling, as a service does
     eager = engine(llama_target_dir, max_batch_rows=8, max_cache_len=96, compile="off")
-    assert compiled.scheduler is not None and compiled.scheduler._compiled is not None
+    assert compiled.scheduler is not None
     measured = Scoring(ScoreKind.LOGITS, extras=Extras(True, True, True))
 
     def run(backend: Engine, index: int) -> tuple[list[int], torch.Tensor, list[float]]:
@@ -331,12 +335,18 @@ def test_compiled_forward_serves_concurrent_sessions_like_the_eager_one(llama_ta
         return tokens, opened.scores.dense, stats
 
     solo = [run(eager, index) for index in range(6)]
-    with ThreadPoolExecutor(max_workers=6) as pool:
-        together = list(pool.map(lambda index: run(compiled, index), range(6)))
-    for (tokens, logits, stats), (alone_tokens, alone_logits, alone_stats) in zip(together, solo, strict=True):
-        assert tokens == alone_tokens
-        torch.testing.assert_close(logits, alone_logits, atol=1e-5, rtol=1e-5)
-        assert stats == pytest.approx(alone_stats, rel=1e-5, abs=1e-5)
+    scheduler = compiled.scheduler
+    for _ in range(2):  # while compiling, then compiled
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            together = list(pool.map(lambda index: run(compiled, index), range(6)))
+        for (tokens, logits, stats), (alone_tokens, alone_logits, alone_stats) in zip(together, solo, strict=True):
+            assert tokens == alone_tokens
+            torch.testing.assert_close(logits, alone_logits, atol=1e-5, rtol=1e-5)
+            assert stats == pytest.approx(alone_stats, rel=1e-5, abs=1e-5)
+        deadline = time.monotonic() + 1200
+        while not (scheduler.compiled and scheduler._requests.empty()) and time.monotonic() < deadline:
+            time.sleep(1.0)
+        assert scheduler.compiled and compiled.info().compiled
     assert compiled.cache is not None and compiled.cache.usage().rows_in_use == 0
 
     # Plain greedy rounds run FUSED_STEPS steps per compiled call (alone, and two sessions

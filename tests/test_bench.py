@@ -7,12 +7,15 @@ import argparse
 import csv
 import json
 import math
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from specwire.bench import bench, bounds, experiment
+from specwire.bench import bench, bounds, experiment, report
 from specwire.bench.bounds import medusa_bounds, speculative_bound
+from specwire.client.cli import build_parser
+from specwire.client.cli import main as specwire_main
 from specwire.orchestrator.speedup import (
     alpha_estimate,
     best_gamma,
@@ -21,6 +24,9 @@ from specwire.orchestrator.speedup import (
     time_per_token_ms,
 )
 
+from tests.tiny import save_llama
+
+ROOT = Path(__file__).resolve().parent.parent
 REQUIRED_FIELDS = [
     "name",
     "tokens_per_s",
@@ -106,13 +112,18 @@ def bench_report(llama_target_dir: Path, llama_draft_dir: Path, llama_heads_dir:
         warmup=False,
         show_progress=False,
         medusa=str(llama_heads_dir),
+        rows=BENCH_ROWS,
     )
     return bench.run_bench(config)
 
 
+# llama.cpp needs llama-cpp-python (a long native build) and a GGUF: its row has a test of its own.
+BENCH_ROWS = tuple(name for name in bench.ROW_NAMES if name != "llamacpp")
+
+
 def test_bench_reports_every_row_and_field(bench_report: dict[str, Any]) -> None:
     rows = {row["name"]: row for row in bench_report["rows"]}
-    assert list(rows) == bench.ROW_NAMES
+    assert list(rows) == list(BENCH_ROWS)
     for row in rows.values():
         assert row["error"] is None, (row["name"], row["error"])
         for name in REQUIRED_FIELDS:
@@ -179,8 +190,8 @@ def test_bench_figures_are_consistent(bench_report: dict[str, Any]) -> None:
 
 def test_bench_markdown_and_cli_output(bench_report: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                        capsys: pytest.CaptureFixture[str]) -> None:
-    table = bench.markdown_table(bench_report)
-    assert all(f"| {name} |" in table for name in bench.ROW_NAMES)
+    table = report.render(bench_report)
+    assert all(f"| {name} |" in table for name in BENCH_ROWS)
     monkeypatch.setattr(bench, "run_bench", lambda config: bench_report)
     out = tmp_path / "bench.json"
     parser = argparse.ArgumentParser()
@@ -189,6 +200,106 @@ def test_bench_markdown_and_cli_output(bench_report: dict[str, Any], tmp_path: P
     assert bench.run(args) == 0
     assert json.loads(out.read_text())["rows"][0]["name"] == "hf_target"
     assert "| hf_target |" in capsys.readouterr().out
+    assert specwire_main(["report", str(out), "--headline"]) == 0
+    assert "| specwire_speculative |" in capsys.readouterr().out
+
+
+def test_bench_records_its_command_date_and_machine(bench_report: dict[str, Any]) -> None:
+    meta = bench_report["metadata"]
+    assert datetime.fromisoformat(meta["date"]).tzinfo is not None
+    assert meta["machine"]["description"].startswith(f"{meta['machine']['cpu_count']} CPUs (")
+    parser = build_parser()
+    args = parser.parse_args(["bench", "--repeats", "2"])
+    assert args.command_line is None  # set by `specwire`'s main from its argv, as typed
+    assert "log_dir" not in meta  # a temporary folder of the machine that ran it: printed, not recorded
+
+
+# The tables' headers and the JSON fields they show, written out here independently of the renderer.
+ROW_COLUMNS = {
+    "× HF target": "ratio_vs_hf_target", "× best HF assisted": "ratio_vs_hf_assisted", "acceptance": "acceptance_rate",
+    "α": "alpha", "tok/target fwd": "tokens_per_target_forward", "c": "cost_ratio_c", "predicted": "predicted_speedup",
+    "efficiency": "efficiency", "bytes/round": "bytes_per_round", "overhead ms/round": "overhead_ms_per_round",
+    "= HF target": "matches_hf_target",
+}
+BEAM_COLUMNS = {
+    "target rows scored / generation": "expansions_per_generation", "target forwards / generation":
+    "target_forwards_per_generation", "rows × beam": "expansions_ratio_vs_beam", "wall × beam": "wall_ratio_vs_beam",
+    "= beam": "matches_beam",
+}
+STREAM_COLUMNS = {
+    "aggregate tok/s": "aggregate_tokens_per_s", "× one stream": "ratio_vs_one_stream", "p50 ms/token": "p50_token_ms",
+    "p99 ms/token": "p99_token_ms", "p50 × one stream": "p50_ratio_vs_one_stream", "= solo": "matches_solo",
+}
+
+
+def markdown_tables(text: str) -> list[list[dict[str, str]]]:
+    """Each Markdown table of `text` as a list of {header: cell} rows."""
+    tables, block = [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            block.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif block:
+            tables.append([dict(zip(block[0], cells, strict=True)) for cells in block[2:]])
+            block = []
+    return tables
+
+
+def assert_cell_shows(cell: str, value: float | None) -> None:
+    """The cell is the value rounded to the decimals it shows, or `–` where there is none."""
+    if value is None:
+        assert cell == "–"
+        return
+    decimals = len(cell.partition(".")[2])
+    assert abs(float(cell) - value) <= 0.5 * 10**-decimals + 1e-9, (cell, value)
+
+
+def assert_tables_agree(rendered: str, data: dict[str, Any], headline: bool) -> None:
+    tables = markdown_tables(rendered)
+    rows = {row["name"]: row for row in data["rows"]}
+    shown = tables[0]
+    if headline:
+        assert [cells["row"] for cells in shown] == [name for name in rows if name in report.HEADLINE_ROWS]
+    else:
+        assert [cells["row"] for cells in shown] == list(rows)
+    for cells in shown:
+        row = rows[cells["row"]]
+        median, spread = cells["tok/s median [min–max]"].split(" ", 1)
+        low, high = spread.strip("[]").split("–")
+        for text, key in ((median, "tokens_per_s"), (low, "tokens_per_s_min"), (high, "tokens_per_s_max")):
+            assert_cell_shows(text, row[key])
+        for header, key in ROW_COLUMNS.items():
+            if header in cells:
+                assert_cell_shows(cells[header], row[key])
+            else:
+                assert headline
+        if headline:
+            assert cells["what it runs"] == row["description"]
+    beams = [row for row in data["rows"] if row["group"] == "specwire_beam" and not row["error"]]
+    if beams and not headline:
+        shown_beams = next(table for table in tables if "= beam" in table[0])
+        assert [cells["row"] for cells in shown_beams] == [row["name"] for row in beams]
+        for cells, row in zip(shown_beams, beams, strict=True):
+            for header, key in BEAM_COLUMNS.items():
+                assert_cell_shows(cells[header], row[key])
+    if data.get("concurrency") and not headline:
+        for cells, entry in zip(tables[1], data["concurrency"], strict=True):
+            assert (cells["strategy"], int(cells["streams"])) == (entry["strategy"], entry["streams"])
+            for header, key in STREAM_COLUMNS.items():
+                assert_cell_shows(cells[header], entry[key])
+    meta = data["metadata"]
+    assert rendered.startswith(f"Measured {meta['date'][:10]} on {meta['machine']['description']}")
+    threads = meta["machine"]["omp_num_threads_env"]
+    environment = f"OMP_NUM_THREADS={threads} " if threads else ""
+    recorded = f"with `{environment}{meta['command']}`" if meta["command"] else "with a command not recorded"
+    assert recorded in rendered.splitlines()[0]
+
+
+@pytest.mark.parametrize("headline", [False, True], ids=["full", "headline"])
+def test_report_tables_agree_with_the_json(bench_report: dict[str, Any], headline: bool) -> None:
+    assert_tables_agree(report.render(bench_report, headline), bench_report, headline)
+    for path in sorted((ROOT / "docs" / "bench").glob("*.json")):  # the reports the documentation shows
+        data = report.load(path)
+        assert_tables_agree(report.render(data, headline), data, headline)
 
 
 def test_bench_rtt_flag_reaches_the_config() -> None:
@@ -200,7 +311,8 @@ def test_bench_rtt_flag_reaches_the_config() -> None:
 
 
 def test_bench_reports_a_failing_row_instead_of_crashing() -> None:
-    results = {"hf_target": bench.RowResult(bench.ROWS[0]), "specwire_speculative": bench.RowResult(bench.ROWS[6])}
+    specs = {row.name: row for row in bench.ROWS}
+    results = {name: bench.RowResult(specs[name]) for name in ("hf_target", "specwire_speculative")}
     results["hf_target"].samples = [[bench.Sample(token_ids=[1, 2], seconds=0.1)]]
     results["specwire_speculative"].error = "INVALID_ARGUMENT: strategy 'speculative' is not available"
     rows = {row["name"]: row for row in bench.summarize(results)}
@@ -271,19 +383,70 @@ def test_bounds_times_the_engine_and_reports_consistent_ratios(llama_target_dir:
     """`specwire bounds` end to end on tiny models (eager here: the suite does not compile)."""
     args = argparse.Namespace(
         target_model=str(llama_target_dir), draft_model=str(llama_draft_dir), medusa="", medusa_prompts=1,
-        threads=1, repeats=2,
+        threads=1, repeats=2, quantize="none",
     )
-    report = bounds.measure(args)
-    costs = report["target"]["forward_costs_ms"]
+    measured = bounds.measure(args)
+    assert measured["quantization"] == {"target": "none", "draft": "none"}
+    costs = measured["target"]["forward_costs_ms"]
     assert list(costs) == list(bounds.POSITIONS) and all(ms > 0 for ms in costs.values())
-    assert report["target"]["greedy_ms_per_token"] > 0 and report["draft"]["greedy_ms_per_token"] > 0
-    batching = report["batching"]
+    assert measured["target"]["greedy_ms_per_token"] > 0 and measured["draft"]["greedy_ms_per_token"] > 0
+    batching = measured["batching"]
     assert batching["fused_step_ms_1_row"] is None  # no compiled fused steps when eager
     assert batching["streams_8_vs_1_at_most"] == pytest.approx(
         8 * batching["step_ms_1_row"] / batching["step_ms_8_rows"]
     )
     assert batching["p50_latency_8_vs_1_at_least"] == pytest.approx(8 / batching["streams_8_vs_1_at_most"])
-    for row in report["speculative"]:  # a free draft can only do better
+    for row in measured["speculative"]:  # a free draft can only do better
         assert 0 < row["ratio_vs_greedy"] <= row["free_draft_ratio_vs_greedy"]
-    assert [product["times_one_row"][1] for product in report["matmul"]] == [1.0] * len(bounds.MATMUL_SHAPES)
-    assert "medusa" not in report
+    assert [product["times_one_row"][1] for product in measured["matmul"]] == [1.0] * len(bounds.MATMUL_SHAPES)
+    assert "medusa" not in measured
+    assert_bounds_tables_agree(json.loads(json.dumps(measured)))  # as `specwire bounds --out` writes it
+
+
+def assert_bounds_tables_agree(data: dict[str, Any]) -> None:
+    forward, step, speculative, matmul = markdown_tables(report.render_any(data))
+    shown = forward[0]
+    assert shown["new positions n"] == "target forward, ms"
+    for n, ms in data["target"]["forward_costs_ms"].items():
+        if int(n) in report.BOUNDS_POSITIONS:
+            assert_cell_shows(shown[n], ms)
+        else:
+            assert n not in shown
+    batching = data["batching"]
+    for header, key in (("1 row", "step_ms_1_row"), ("8 rows", "step_ms_8_rows"),
+                        ("8 streams ÷ one, at most", "streams_8_vs_1_at_most"),
+                        ("8 streams' p50 ÷ one stream's, at least", "p50_latency_8_vs_1_at_least")):
+        assert_cell_shows(step[0][header], batching[key])
+    for cells, row in zip(speculative, data["speculative"], strict=True):
+        assert_cell_shows(cells["α"], row["alpha"])
+        assert_cell_shows(cells["best ratio to greedy"], row["ratio_vs_greedy"])
+        assert_cell_shows(cells["with a free draft"], row["free_draft_ratio_vs_greedy"])
+        assert (int(cells["at γ"]), int(cells["the free draft at γ"])) == (row["best_gamma"], row["free_draft_best_gamma"])
+    for cells, product in zip(matmul, data["matmul"], strict=True):
+        assert cells["matrix product, weight"].startswith(f"{product['shape'][0]} × {product['shape'][1]} ")
+        for rows, ratio in product["times_one_row"].items():
+            if rows != "1":
+                assert_cell_shows(cells[f"{rows} rows"], ratio)
+
+
+def test_llamacpp_row_runs_the_targets_gguf(models_dir: Path, tokenizer: Any) -> None:
+    """llama.cpp on the same weights as a GGUF file: the same greedy tokens as transformers'."""
+    pytest.importorskip("llama_cpp")
+    from transformers import AutoModelForCausalLM
+
+    from tests.gguf_tiny import write_llama_gguf
+
+    source = models_dir / "llamacpp-source"
+    if not source.exists():
+        save_llama(source, tokenizer, seed=5)
+    gguf = write_llama_gguf(AutoModelForCausalLM.from_pretrained(source), tokenizer, source / "gguf" / "tiny.gguf")
+    assert bench.llamacpp.find_gguf(str(source)) == gguf
+    report = bench.run_bench(bench.BenchConfig(
+        target_model=str(source), draft_model=str(source), prompts=["def add(a, b):\n"], max_new_tokens=8,
+        repeats=1, device="cpu", dtype="float32", warmup=False, show_progress=False,
+        rows=("hf_target", "llamacpp"), target_threads=1,
+    ))
+    rows = {row["name"]: row for row in report["rows"]}
+    assert rows["llamacpp"]["error"] is None and rows["llamacpp"]["new_tokens_per_repeat"] == 8
+    assert rows["llamacpp"]["ratio_vs_hf_target"] > 0 and report["metadata"]["llamacpp_gguf"] == str(gguf)
+    assert rows["llamacpp"]["matches_hf_target"] == 1.0

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.harness import Stack
 
@@ -45,6 +48,29 @@ def test_generate_stops_at_a_stop_string_given_by_flag(llama_stack: Stack) -> No
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert out["finish_reason"] == "stop" and out["text"] == free["text"][: free["text"].index(stop)]
+
+
+def test_generate_stream_prints_the_text_then_one_summary_line(llama_stack: Stack) -> None:
+    args = ("generate", "--address", llama_stack.address, "--input-ids", "5,6,7", "--max-new-tokens", "6", "--ignore-eos")
+    unary = json.loads(specwire(*args, "--json").stdout)
+    run = specwire(*args, "--stream")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == unary["text"]
+    assert run.stderr.strip().startswith("[length] 6 tokens in ") and "\n" not in run.stderr.strip()
+
+
+def test_generate_speculative_summary_states_the_acceptance_its_stats_hold(llama_stack: Stack) -> None:
+    args = ("generate", "--address", llama_stack.address, "--input-ids", "5,6,7", "--max-new-tokens", "12",
+            "--ignore-eos", "--strategy", "speculative", "--num-speculative-tokens", "3")
+    stats = json.loads(specwire(*args, "--json").stdout)["stats"]
+    run = specwire(*args)
+    assert run.returncode == 0, run.stderr
+    figures = re.search(r"(\d+) of (\d+) drafted tokens accepted \((\d+)%\), ([\d.]+) tokens/forward", run.stderr)
+    assert figures, run.stderr
+    # Greedy and a fixed γ: the same rounds, so the same figures as the JSON run's.
+    assert (int(figures[1]), int(figures[2])) == (stats["accepted_tokens"], stats["drafted_tokens"])
+    assert int(figures[3]) == round(100 * stats["acceptance_rate"])
+    assert float(figures[4]) == pytest.approx(stats["tokens_per_target_forward"], abs=0.005)
 
 
 def test_unknown_strategy_is_refused_by_the_parser() -> None:

@@ -3,6 +3,8 @@ services' addresses, ports and probes agree with each other and with the CLI."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,12 @@ import pytest
 import yaml
 from specwire.client.cli import build_parser
 
+from specwire.config import OrchestratorConfig
+
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+OPERATIONS = DEPLOY.parent / "docs" / "operations.md"
+# The start-up a startupProbe allows, over the slowest start measured (another machine, another load).
+START_MARGIN = 1.5
 KUBERNETES_VERSION = "1.30.0"
 
 
@@ -117,9 +124,11 @@ def test_tls_material_and_tokens_come_from_secrets_mounted_where_the_args_look()
         pod = deployment["spec"]["template"]["spec"]
         container = pod["containers"][0]
         args = parser.parse_args(container["args"])
-        volumes = {v["name"]: v["secret"] for v in pod["volumes"]}
+        volumes = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
         mounted: set[str] = set()
         for mount in container["volumeMounts"]:
+            if mount["name"] not in volumes:
+                continue  # the compile cache
             secret = volumes[mount["name"]]
             mounted |= {f"{mount['mountPath']}/{item['path']}" for item in secret["items"]}
         if args.role == "orchestrator":
@@ -172,3 +181,42 @@ def test_compose_tls_overlay_gives_every_hop_mutual_tls_from_mounted_files() -> 
         else:
             files = [args.tls_cert, args.tls_key, args.tls_client_ca]
         assert all(files) and all(any(f == m or f.startswith(m + "/") for m in mounts) for f in files), (name, files)
+
+
+def measured_figures(column: int = 0) -> dict[str, float]:
+    """The figures docs/operations.md states, by name, from its table rows
+    "| `name` | compiled | eager | …" (column 0: compiled, the default; 1: eager)."""
+    rows = re.findall(r"^\| `(\w+)` \| ([0-9.]+) \| ([0-9.]+) \|", OPERATIONS.read_text(), flags=re.MULTILINE)
+    return {row[0]: float(row[1 + column]) for row in rows}
+
+
+@pytest.mark.parametrize(("column", "report"), [(0, "startup-demo-cpu.json"), (1, "startup-demo-cpu-eager.json")])
+def test_the_operations_figures_are_the_measurements(column: int, report: str) -> None:
+    """The table is `specwire startup-time`'s JSON report, rounded: it cannot drift from it."""
+    medians = json.loads((OPERATIONS.parent / "measurements" / report).read_text())["median"]
+    figures = measured_figures(column)
+    assert len(figures) >= 10
+    assert figures == {name: round(medians[name], 1) for name in figures}
+
+
+def probe_budget_s(probe: dict[str, Any]) -> float:
+    """How long a failing startup probe is tolerated before the container is restarted."""
+    return float(probe["periodSeconds"] * probe["failureThreshold"])
+
+
+def test_probes_and_grace_periods_follow_the_measured_start_and_drain_times() -> None:
+    figures = measured_figures()
+    parser = build_parser()
+    for name, deployment in by_kind("Deployment").items():
+        pod = deployment["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        args = parser.parse_args(container["args"])
+        # kubelet's SIGKILL comes after the drain (--grace) and the exit that follows it.
+        assert pod["terminationGracePeriodSeconds"] >= args.grace + figures["drain_beyond_grace_s"], name
+        if args.role == "orchestrator":
+            # It binds its ports once it has reached the services, or exits after connect_timeout_s.
+            slowest = figures["cold_orchestrator_serving_s"] + OrchestratorConfig.connect_timeout_s
+        else:
+            slowest = max(figures["cold_target_serving_s"], figures["cold_draft_serving_s"])
+        assert probe_budget_s(container["startupProbe"]) >= START_MARGIN * slowest, name
+        assert "initialDelaySeconds" not in container["livenessProbe"]  # the startup probe holds it back

@@ -16,6 +16,7 @@ from specwire.orchestrator.entropix import (
     Decision,
     EntropixConfig,
     Metrics,
+    adaptive_decision,
     candidate_score,
     choose_column,
     classify,
@@ -35,6 +36,7 @@ from tests.harness import Stack
 from tests.test_entropy_metrics import eager_model, reference_metrics
 
 CONFIG = EntropixConfig()
+VOCAB = 32000  # a vocabulary wider than any top-k below
 
 
 def spread(top_mass: float, rest: int) -> torch.Tensor:
@@ -63,15 +65,15 @@ def test_constructed_logits_drive_every_state() -> None:
     assert states == {"peaked": "argmax", "flat16": "clarify", "one_strong": "branch", "mist": "resample", "mid": "adaptive"}
 
     t0, p0, k0 = CONFIG.temperature, CONFIG.top_p, CONFIG.top_k
-    branch = decide(one_strong, CONFIG, 0)  # T raised by interaction strength, k widened by disagreement
+    branch = decide(one_strong, CONFIG, 0, VOCAB)  # T raised by interaction strength, k widened by disagreement
     assert branch.temperature == pytest.approx(min(1.5, t0 * (1.2 + 0.3 * 1.0)))
     assert branch.top_k == max(5, int(k0 * (1 + 0.5 * (1 - 0.2)))) == 37
-    resample = decide(half_and_mist, CONFIG, 0)  # T raised by attention varentropy, p lowered by attention entropy
+    resample = decide(half_and_mist, CONFIG, 0, VOCAB)  # T raised by attention varentropy, p lowered by attention entropy
     assert resample.temperature == pytest.approx(max(2.0, t0 * (2.0 + 0.5 * 0.1)))
     assert resample.top_p == pytest.approx(max(0.5, p0 - 0.2 * 2.0))
-    clarify = decide(flat16, CONFIG, 0)  # no clarifying token configured: T raised by attention entropy
+    clarify = decide(flat16, CONFIG, 0, VOCAB)  # no clarifying token configured: T raised by attention entropy
     assert not clarify.clarify and clarify.temperature == pytest.approx(min(1.5, t0 * (1.3 + 0.2 * 2.0)))
-    adaptive = decide(middling, CONFIG, 0)
+    adaptive = decide(middling, CONFIG, 0, VOCAB)
     u = middling.entropy + middling.varentropy
     assert adaptive.temperature == pytest.approx(t0 * (1 + 0.3 * u + 0.2 * 2.1 - 0.2 * 0.2))
     assert adaptive.top_p == pytest.approx(min(1.0, p0 * (1 + 0.1 * 0.1)))
@@ -82,8 +84,18 @@ def test_constructed_logits_drive_every_state() -> None:
 def test_clarifying_token_inserted_once() -> None:
     config = EntropixConfig(clarifying_token=7)
     flat16 = metrics_of(torch.zeros(16))
-    assert decide(flat16, config, last_token=3).clarify
-    assert not decide(flat16, config, last_token=7).clarify  # just inserted: sample instead
+    assert decide(flat16, config, last_token=3, vocab_size=VOCAB).clarify
+    assert not decide(flat16, config, last_token=7, vocab_size=VOCAB).clarify  # just inserted: sample instead
+
+
+def test_huge_coefficients_widen_top_k_only_to_the_vocabulary() -> None:
+    one_strong = metrics_of(spread(0.9, 2**15))  # the branch state
+    huge = EntropixConfig(branch_top_k_coefficient=3.4e38, adaptive_top_k_interaction=3.4e38, top_k=1024)
+    assert decide(one_strong, huge, 0, 320).top_k == 320  # not ⌊1024 · 3.4e38⌋, which int32 cannot hold
+    assert huge.columns(320) == 320 and huge.columns(50_000) == 50_000
+    assert adaptive_decision(one_strong, huge).top_k == huge.adaptive_max_top_k
+    shrinking = EntropixConfig(adaptive_top_k_agreement=3.4e38)  # k₀ · (1 − huge · agreement) < 1
+    assert adaptive_decision(metrics_of(torch.tensor([3.0, 2.0, 1.0, 0.0])), shrinking).top_k == 1
 
 
 def test_thresholds_are_parameters() -> None:
@@ -261,9 +273,9 @@ def test_speculative_entropix_keeps_the_policys_distribution(pair_decoder: Decod
     distribution at the prompt's last position, computed target-only."""
     session = pair_decoder.target.backend.new_session()  # type: ignore[attr-defined]
     config = EntropixConfig()
-    scoring = Scoring(ScoreKind.LOGITS, top_n=config.columns(), extras=EXTRAS)
-    opened = session.open(OpenRequest(PAIR_PROMPT, scoring=scoring))
     vocab = pair_decoder.target.info.vocab_size
+    scoring = Scoring(ScoreKind.LOGITS, top_n=config.columns(vocab), extras=EXTRAS)
+    opened = session.open(OpenRequest(PAIR_PROMPT, scoring=scoring))
     policy, decision, _ = policy_row(config, opened, 0, PAIR_PROMPT[-1], vocab)
     assert decision.state == "adaptive" and decision.samples == 5  # best-of-n: the hardest case
     draws = 1500

@@ -7,14 +7,19 @@ Each run sends well over 500 generated requests, four at a time:
 - adversarial: an in-bounds request with exactly one field (or one combination) broken; the
   answer must be INVALID_ARGUMENT naming that field;
 - random: any value of the field's wire type in any field; the answer must be OK or
-  INVALID_ARGUMENT naming a field the request set.
+  INVALID_ARGUMENT naming a field the request set;
+- extreme: one field that is parsed or converted set to the largest value its type holds (or
+  nested deep, for the JSON of `medusa_choices`): OK where its bounds allow it (entropix's
+  coefficients at float32's largest value, in whichever state that coefficient acts), else
+  INVALID_ARGUMENT naming it.
 Never INTERNAL or UNKNOWN; afterwards the servers are healthy, a valid request succeeds, and no
-session or KV-cache token is left on either model service.
+session or KV-cache token is left on either model service. SPECWIRE_FUZZ_SEED=N runs another seed.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from collections import Counter
@@ -33,7 +38,7 @@ from specwire.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from tests.harness import LoopThread
 from tests.observed import Observed, start_observed_stack
 
-SEED = 20261122
+SEED = int(os.environ.get("SPECWIRE_FUZZ_SEED", "20261122"))
 VOCAB = 320  # tests.tiny.build_tokenizer
 CONTEXT = 512
 MAX_NEW_LIMIT = 256  # the stack's --max-new-tokens-limit
@@ -51,6 +56,36 @@ ENTROPIX = "entropix"  # the EntropixParams message field
 ENTROPIX_FIELDS = tuple(f.name for f in orchestrator_pb2.EntropixParams.DESCRIPTOR.fields)
 ENTROPIX_INTS = {f.name for f in orchestrator_pb2.EntropixParams.DESCRIPTOR.fields if f.type == f.TYPE_INT32}
 PROMPTS = ("def add(a, b):", "import os", "for i in range(10):", "the quick brown fox", "class Point:\n    ")
+INT32_MAX, UINT64_MAX = 2**31 - 1, 2**64 - 1
+# Entropix thresholds that put every token in one state (H, V ≥ 0 and finite; V > 0 almost surely).
+FORCE_STATE = {
+    "argmax": {"argmax_entropy": FLOAT32_MAX, "argmax_varentropy": FLOAT32_MAX},
+    "clarify": {"argmax_entropy": 0.0, "clarify_entropy": 0.0, "clarify_varentropy": FLOAT32_MAX},
+    "branch": {"argmax_entropy": 0.0, "clarify_entropy": FLOAT32_MAX, "branch_entropy": FLOAT32_MAX,
+               "branch_varentropy": 0.0},
+    "resample": {"argmax_entropy": 0.0, "clarify_entropy": FLOAT32_MAX, "branch_entropy": 0.0,
+                 "resample_entropy": 0.0, "resample_varentropy": 0.0},
+    "adaptive": {"argmax_entropy": 0.0, "clarify_entropy": FLOAT32_MAX, "branch_entropy": 0.0,
+                 "resample_entropy": FLOAT32_MAX},
+}
+# medusa_choices no parser may take: nested deep, numbers past every integer type, booleans.
+BAD_MEDUSA_CHOICES = (
+    "[[[0]]]", "[" * 1000 + "]" * 1000, "[" * 100_000, '{"a": ' * 1000 + "0" + "}" * 1000, "[[1e400]]",
+    "[[" + "9" * 5000 + "]]", f"[[{UINT64_MAX}]]", "[[true]]", "[[false], [0]]", "[[0.5]]", "[[-1]]",
+    "[" + "[0], " * 300 + "[0]]", "[[0]" + " " * 70_000 + "]",
+)
+# Fields documented to take any finite value ≥ 0 (or any size), at the largest their type holds.
+UNBOUNDED_EXTREMES: dict[str, Any] = {
+    "seed": UINT64_MAX, "repetition_penalty": FLOAT32_MAX, "no_repeat_ngram_size": INT32_MAX,
+    "temperature": FLOAT32_MAX, "top_k": INT32_MAX, "cd_beta": FLOAT32_MAX, "amateur_temperature": FLOAT32_MAX,
+}
+# Bounded fields at the largest value of their type: refused, naming the field.
+BOUNDED_EXTREMES: dict[str, Any] = {
+    "max_new_tokens": INT32_MAX, "num_beams": INT32_MAX, "num_return_sequences": INT32_MAX,
+    "num_speculative_tokens": INT32_MAX, "top_p": FLOAT32_MAX, "min_p": FLOAT32_MAX, "length_penalty": FLOAT32_MAX,
+    "draft_confidence_threshold": FLOAT32_MAX, "cd_alpha": FLOAT32_MAX, "posterior_threshold": FLOAT32_MAX,
+    "posterior_alpha": FLOAT32_MAX,
+}
 
 
 def set_field(request: orchestrator_pb2.GenerateRequest, name: str, value: Any) -> None:
@@ -316,7 +351,49 @@ class Generator:
         fields.setdefault("max_new_tokens", r.randint(1, 6))
         return fields
 
-    def cases(self, in_bounds: int, adversarial: int, random_: int) -> list[Case]:
+    def extreme(self) -> Case:
+        """One parsed or converted field at an extreme: allowed (in bounds, must succeed) or not
+        (must be INVALID_ARGUMENT naming it)."""
+        r = self.rng
+        family = r.choice(["unbounded", "bounded", "entropix_coefficient", "entropix_count", "medusa_choices"])
+        if family == "unbounded":
+            name = r.choice(list(UNBOUNDED_EXTREMES))
+            strategy = {"top_k": r.choice(["sample", "speculative"]), "temperature": r.choice(["sample", "entropix"]),
+                        "cd_beta": "contrastive", "amateur_temperature": "contrastive"}.get(name, "")
+            fields = self.in_bounds(strategy)
+            fields[name] = UNBOUNDED_EXTREMES[name]
+            if name == "amateur_temperature":
+                fields["cd_form"] = "li"
+            return Case("in-bounds", fields, r.random() < 0.5)
+        if family == "bounded":
+            name = r.choice(list(BOUNDED_EXTREMES))
+            fields = self.in_bounds()
+            for other in (*WARPERS, STOP, "num_beams", "num_return_sequences"):
+                fields.pop(other, None)
+            fields[name] = BOUNDED_EXTREMES[name]
+            return Case("adversarial", fields, r.random() < 0.5, name)
+        if family == "entropix_coefficient":  # every float at float32's largest, in one state
+            fields = self.in_bounds("entropix")
+            state = r.choice(list(FORCE_STATE))
+            # Not the thresholds (FORCE_STATE's) nor the probabilities bounded by 1.
+            floats = [f for f in ENTROPIX_FIELDS
+                      if f not in ENTROPIX_INTS and not f.endswith(("_entropy", "_varentropy", "_top_p", "min_p"))]
+            fields[ENTROPIX] = dict.fromkeys(floats, FLOAT32_MAX) | FORCE_STATE[state]
+            fields["max_new_tokens"] = r.randint(6, 12)
+            return Case("in-bounds", fields, r.random() < 0.5)
+        if family == "entropix_count":  # a top-k or a count of draws at int32's largest
+            fields = self.in_bounds("entropix")
+            name = r.choice(["top_k", *(f for f in ENTROPIX_INTS if f != "clarifying_token")])
+            if name == "top_k":
+                fields["top_k"] = INT32_MAX
+                return Case("adversarial", fields, r.random() < 0.5, "top_k")
+            fields[ENTROPIX] = fields[ENTROPIX] | {name: INT32_MAX}
+            return Case("adversarial", fields, r.random() < 0.5, f"{ENTROPIX}.{name}")
+        fields = self.in_bounds(r.choice([*STRATEGIES, "medusa"]))
+        fields["medusa_choices"] = r.choice(BAD_MEDUSA_CHOICES)
+        return Case("adversarial", fields, r.random() < 0.5, "medusa_choices")
+
+    def cases(self, in_bounds: int, adversarial: int, random_: int, extreme: int = 0) -> list[Case]:
         cases = []
         for _ in range(in_bounds):
             fields = self.in_bounds()
@@ -326,6 +403,7 @@ class Generator:
             fields, broken = self.adversarial()
             cases.append(Case("adversarial", fields, self.rng.random() < 0.5, broken))
         cases += [Case("random", self.random(), self.rng.random() < 0.5) for _ in range(random_)]
+        cases += [self.extreme() for _ in range(extreme)]
         self.rng.shuffle(cases)
         return cases
 
@@ -365,7 +443,7 @@ def gauge(observed: Observed, service: str, name: str) -> float:
 
 def test_fuzzed_requests_get_clear_answers_and_leave_nothing_behind(fuzzed_stack: Observed) -> None:
     started = time.monotonic()
-    cases = Generator(SEED).cases(in_bounds=190, adversarial=230, random_=150)
+    cases = Generator(SEED).cases(in_bounds=190, adversarial=230, random_=150, extreme=150)
     address = fuzzed_stack.stack.address
     with grpc.insecure_channel(address) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
@@ -429,3 +507,31 @@ def test_fuzzed_requests_get_clear_answers_and_leave_nothing_behind(fuzzed_stack
         time.sleep(0.05)
     assert not any(left.values()), left
     assert time.monotonic() - started < 180
+
+
+def test_the_reported_inputs_get_clear_answers(fuzzed_stack: Observed) -> None:
+    """An outside fuzz run's findings: deep `medusa_choices` (INTERNAL: RecursionError), a branch
+    top-k coefficient of 1e8 (UNKNOWN / INTERNAL: int32 overflow), JSON booleans taken as indices."""
+    branch = FORCE_STATE["branch"] | {"branch_top_k_coefficient": 1e8}
+    cases = [
+        (Case("adversarial", {PROMPT: "def add(a, b):", "strategy": "medusa", "max_new_tokens": 4,
+                              "medusa_choices": "[" * 1000 + "]" * 1000}, False, "medusa_choices"), "nested 2 deep at most"),
+        (Case("adversarial", {PROMPT: "def add(a, b):", "strategy": "greedy", "max_new_tokens": 4,
+                              "medusa_choices": "[[true]]"}, False, "medusa_choices"), "top-k indices"),
+        (Case("adversarial", {PROMPT: "def add(a, b):", "strategy": "entropix", "temperature": 0.0}, False,
+              "temperature"), "(0.0, inf)"),
+        (Case("adversarial", {PROMPT: "def add(a, b):", "strategy": "entropix", "top_k": 1025}, False, "top_k"),
+         "[1, 1024]"),
+    ]
+    with grpc.insecure_channel(fuzzed_stack.stack.address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        for case, bound in cases:
+            outcome = call(stub, case.request(), case.stream)
+            assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT and outcome.details.startswith(f"{case.broken}:")
+            assert bound in outcome.details and outcome.details.count(case.broken) == 1, outcome.details
+        request = Case("in-bounds", {PROMPT: "def add(a, b):", "strategy": "entropix", "max_new_tokens": 12, "seed": 7,
+                                     "ignore_eos": True, ENTROPIX: branch}, False).request()
+        unary = stub.Generate(request, timeout=120)
+        streamed = list(stub.GenerateStream(request, timeout=120))
+    assert [t for d in streamed for t in d.token_ids] == list(unary.token_ids) and len(unary.token_ids) == 12
+    assert {d.state for d in unary.decisions} == {"branch"} and all(d.top_k == VOCAB for d in unary.decisions)

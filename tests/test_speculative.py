@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from specwire.orchestrator.speculative import (
     one_hot_probs,
 )
 from specwire.orchestrator.speedup import RunningEstimates, forward_cost_at, plan_round, time_per_token_ms
+from transformers import GenerationConfig
 
 from specwire.acceptance import accept_draft, accept_drafts, residual_distribution
 from specwire.engine import CausalLM, Engine
@@ -204,6 +206,16 @@ def test_ngram_drafter_reports_the_target_vocabulary_and_fingerprint(llama_targe
     assert "ngram" in info.capabilities and info.role == "draft" and info.tokenizer_fingerprint
     with pytest.raises(InvalidArgument):
         NgramDrafter.load(str(llama_target_dir), ngram_max=1, ngram_min=2)
+
+
+def test_ngram_drafter_takes_eos_from_the_generation_config_as_the_target_does(
+    llama_target_dir: Path, tmp_path: Path
+) -> None:
+    """Gemma-3's generation config stops at [1, 106] while its config.json says 1."""
+    model_dir = shutil.copytree(llama_target_dir, tmp_path / "two-eos")
+    GenerationConfig(bos_token_id=0, eos_token_id=[0, 7]).save_pretrained(model_dir)
+    target = Engine(CausalLM.load(str(model_dir), device="cpu", dtype="float32"), "target").info()
+    assert NgramDrafter.load(str(model_dir)).info().eos_token_ids == target.eos_token_ids == [0, 7]
 
 
 # -- auto γ: the latency model's plan ------------------------------------------------------------

@@ -19,6 +19,7 @@ from specwire.draft_service.server import build_backend
 
 from specwire.config import ModelServiceConfig
 from specwire.errors import InvalidArgument
+from specwire.startup import StartupClock
 from tests.conftest import hf_model, make_stack
 from tests.harness import LoopThread, Stack, start_orchestrator
 
@@ -291,10 +292,12 @@ def test_ngram_drafter_accepts_text_that_repeats_the_prompt(llama_ngram_stack: S
 
 def test_draft_service_builds_the_ngram_drafter_from_the_target_dir(llama_target_dir: Path) -> None:
     config = ModelServiceConfig(role="draft", model=str(llama_target_dir), drafter="ngram", ngram_max=4, ngram_min=2)
-    backend = build_backend(config)
+    clock = StartupClock()
+    backend = build_backend(config, clock)
     assert isinstance(backend, NgramDrafter) and (backend.ngram_max, backend.ngram_min) == (4, 2)
+    assert [name for name, _ in clock.phases] == ["load"]
     with pytest.raises(InvalidArgument):
-        build_backend(ModelServiceConfig(role="draft", model=str(llama_target_dir), drafter="ngram", ngram_min=0))
+        build_backend(ModelServiceConfig(role="draft", model=str(llama_target_dir), drafter="ngram", ngram_min=0), clock)
 
 
 def test_cli_json_shows_the_speculative_statistics(

@@ -1,5 +1,5 @@
 """`specwire up --target-replicas 2 --tls DIR --auth-token-file FILE`: two target replicas, mutual
-TLS between the services, a token on the public API — what the README tells a new user to run."""
+TLS between the services, a token on the public API — what docs/deployment.md tells a user to run."""
 
 from __future__ import annotations
 

@@ -27,11 +27,15 @@ from specwire.session import ModelInfo, OpenRequest, ScoreKind, Scoring, StepReq
 log = logging.getLogger("specwire")
 
 # Device types where `--compile auto` compiles: where a measurement showed it pays. CPU: the
-# demo target's server-side decode round took 23% less time compiled (README, "Compiled steps").
+# demo target's server-side decode round took 23% less time compiled (docs/engine.md, "Compiled steps").
 COMPILE_PAYS_ON: frozenset[str] = frozenset({"cpu"})
 # Warm-up timing (`Engine.measure_costs`, `Info.forward_costs`): forwards of this many new
 # positions, and greedy rounds of this many tokens.
 COST_POSITIONS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+# Fused greedy steps (`Scheduler.compile`) pay a compiled call's fixed cost (~0.1 ms) once per
+# few tokens; a model whose eager decode step takes longer than this gains under 2% from them,
+# and their graph, several forwards long, takes the longest to compile.
+FUSE_BELOW_MS = 5.0
 DECODE_TOKENS = 8
 @dataclass(frozen=True)
 class EngineLimits:
@@ -84,6 +88,7 @@ class Engine:
         self.cache: SlotCache | None = None
         self.scheduler: Scheduler | None = None
         self._forward_costs: list[tuple[int, float]] = []  # measured by `warmup`
+        self._compile_later = False
         self._decode_ms_per_token = 0.0
         lean = lean_model(lm.model) if self.limits.batching else None
         if lean is not None:
@@ -95,8 +100,12 @@ class Engine:
             )
             if self.limits.compile not in ("auto", "on", "off"):
                 raise ValueError(f"--compile must be auto, on or off; got {self.limits.compile!r}")
-            if self.limits.compile == "on" or (self.limits.compile == "auto" and lm.device.type in COMPILE_PAYS_ON):
-                self.scheduler.compile(self.limits.compile_in_background, on_ready=self._remeasure)
+            compiling = self.limits.compile == "on" or (self.limits.compile == "auto" and lm.device.type in COMPILE_PAYS_ON)
+            if compiling and not self.limits.compile_in_background:
+                self.scheduler.compile(on_ready=self._remeasure)
+            # In the background, compilation starts after `warmup`: warm-up's eager forwards
+            # would otherwise share the cores with the compiler and keep the service from SERVING.
+            self._compile_later = compiling and self.limits.compile_in_background
 
     @property
     def batches(self) -> bool:
@@ -152,6 +161,10 @@ class Engine:
         session.step(StepRequest(append_ids=[1], propose=2, propose_greedy=True))
         session.close()
         self._forward_costs, self._decode_ms_per_token = self.measure_costs()
+        if self._compile_later and self.scheduler is not None:
+            self._compile_later = False
+            fuse = self._decode_ms_per_token < FUSE_BELOW_MS
+            self.scheduler.compile(background=True, on_ready=self._remeasure, fuse_steps=fuse)
 
     def _remeasure(self) -> None:
         """Compiled forwards cost less than the eager ones `warmup` timed: `Info` reports these."""

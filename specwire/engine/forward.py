@@ -244,7 +244,7 @@ class _Pass:
         position (transformers' sliding window: key k is seen when k > q − window); None when
         every slot is seen."""
         batch = self.batch
-        if window is None or window >= batch.key_mask.shape[-1]:
+        if window is None:  # no test of the window against the length: compiled code would guard on it
             return None if batch.dense else batch.key_mask.unsqueeze(1)
         if window not in self.masks:
             recent = torch.arange(batch.key_mask.shape[-1], device=batch.key_mask.device) > batch.positions[:, :, None] - window

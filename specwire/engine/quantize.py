@@ -3,9 +3,10 @@
 `--quantize` swaps every `nn.Linear` of the model (the LM head included, also when it is tied to
 the embedding, which stays as it is) for one of:
 - `int8`: int8 weights, one scale per output channel; activations quantised per row at each
-  call (fbgemm's dynamic quantised linear, torch.ao; x86 with AVX2). y = s_x·s_w·(q_x·q_wᵀ) + b.
+  call (oneDNN's int8 GEMM, which torch ships for x86). y = s_x·s_w·(q_x·q_wᵀ) + b.
 - `int4`: 4-bit weights in groups of 32 along the input, each group with its own scale and
-  zero point, w = (q − 8)·s + z; activations stay float (`torch._weight_int4pack_mm_for_cpu`).
+  zero point, w = (q − 8)·s + z; activations in bfloat16 (`torch._weight_int4pack_mm_for_cpu`,
+  whose float32 path is ~20× slower here).
 `auto` picks what measured fastest for the device (docs/engine.md, "Quantised weights"): int8 on
 CPU, none (bfloat16) on CUDA. Outputs then differ from the float model's, by an amount measured
 (`specwire quality`), but never between a session's solo and batched runs.
@@ -13,9 +14,7 @@ CPU, none (bfloat16) on CUDA. Outputs then differ from the float model's, by an 
 
 from __future__ import annotations
 
-import itertools
 import logging
-import warnings
 from typing import Any
 
 import torch
@@ -44,69 +43,63 @@ def resolve(mode: str, device: torch.device, model: nn.Module | None = None) -> 
         raise ValueError(f"--quantize must be one of {', '.join(MODES)}; got {mode!r}")
     if mode == "auto":
         large = model is not None and linear_bytes(model) >= AUTO_MIN_BYTES
-        fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
-        return "int8" if device.type == "cpu" and fbgemm and large else "none"
+        onednn = torch.backends.mkldnn.is_available()
+        return "int8" if device.type == "cpu" and onednn and large else "none"
     if mode != "none" and device.type != "cpu":
-        raise ValueError(f"--quantize {mode} runs on CPU (fbgemm / int4 CPU kernels); on {device.type} use none")
+        raise ValueError(f"--quantize {mode} runs on CPU (oneDNN / int4 CPU kernels); on {device.type} use none")
     return mode
 
 
-# fbgemm's packed weights are TorchScript objects, which torch.compile cannot take as module
-# state without a graph break at every layer: layers hold an index here, and a custom op,
-# opaque to the compiler, looks the weights up.
-_PACKED: dict[int, Any] = {}
-_HANDLES = itertools.count()
-
-
-@torch.library.custom_op("specwire::int8_linear", mutates_args=())
-def int8_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
-    """fbgemm's dynamic int8 linear of x [rows, in] with the packed weights `_PACKED[handle]`."""
-    # reduce_range: 7-bit activations, so AVX2's 16-bit pair sums (vpmaddubsw) cannot saturate.
-    return torch.ops.quantized.linear_dynamic(x, _PACKED[handle], True)
-
-
-@int8_linear.register_fake
-def _int8_linear_shape(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features)
-
-
 class Int8Linear(nn.Module):
-    """fbgemm's dynamic int8 linear over per-channel int8 weights, with activations quantised
-    per row, so that a row's output never depends on the other rows of its batch.
+    """oneDNN's int8 linear over per-channel int8 weights, with activations quantised per row,
+    so that a row's output never depends on the other rows of its batch.
 
-    fbgemm quantises a call's whole input with one scale, from its min and max. Each row is
-    scaled to max |x| = 1 here and two columns, +1 and −1 (against zero weights), are appended,
-    so every call's min and max are exactly −1 and +1: one fixed scale, each row quantised alone.
-    y = a·fbgemm([x/a, 1, −1]) + b with a = max |x| per row.
+    Each row is scaled to max |x| = 1 and quantised with one fixed scale, 1/127, around 128:
+    q_x = round(127·x/a) + 128 with a = max |x| per row; then y = a·(s_w·(q_x − 128)·q_wᵀ) + b.
+    oneDNN's int8 GEMM (`onednn::qlinear_pointwise`) reads the weights once for all the rows of
+    a call: eight rows of Gemma-3's LM head cost 1.1× one row here, where fbgemm's dynamic
+    linear costs 2×.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
+        _compile_as_a_call()
         weight = linear.weight.detach().float()  # [out, in]
         self.in_features, self.out_features = int(weight.shape[1]), int(weight.shape[0])
-        weight = torch.cat([weight, weight.new_zeros(self.out_features, 2)], dim=1)  # the ±1 columns
-        scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # symmetric, per output channel
-        with warnings.catch_warnings():  # quantised tensor types are deprecated; fbgemm's packing still takes them
-            warnings.simplefilter("ignore")
-            qweight = torch.quantize_per_channel(weight, scales, torch.zeros_like(scales, dtype=torch.long), 0, torch.qint8)
-        self.handle = next(_HANDLES)
-        _PACKED[self.handle] = torch.ops.quantized.linear_prepack(qweight, None)
+        scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)  # symmetric, per output channel
+        qweight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        self.packed: torch.Tensor
+        self.scales: torch.Tensor
+        self.zeros: torch.Tensor
+        self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(qweight, [1, self.in_features]))
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", torch.zeros(self.out_features, dtype=torch.long))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
         amax = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)  # [rows, 1]
-        ends = torch.tensor([1.0, -1.0], device=flat.device).expand(flat.shape[0], 2)
-        out = int8_linear(torch.cat([flat / amax, ends], dim=1), self.handle, self.out_features) * amax
+        qx = torch.round(flat / amax * 127).add(128).to(torch.uint8)
+        out = torch.ops.onednn.qlinear_pointwise(
+            qx, 1 / 127, 128, self.packed, self.scales, self.zeros, None, 1.0, 0, torch.float32, "none", [], ""
+        ) * amax
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
-    def __del__(self) -> None:
-        _PACKED.pop(self.handle, None)
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+def _compile_as_a_call() -> None:
+    """Inductor lowers `onednn::qlinear_pointwise` only for weights frozen into the graph as
+    constants; the engine's weights are module state, so compiled code calls the op as it is."""
+    from torch._inductor import lowering
+
+    op = torch.ops.onednn.qlinear_pointwise.default
+    if op in lowering.lowerings and op not in lowering.fallbacks:
+        lowering.lowerings.pop(op)
+        lowering.make_fallback(op)
 
 
 class Int4Linear(nn.Module):
@@ -127,12 +120,13 @@ class Int4Linear(nn.Module):
         self.scale_zero: torch.Tensor
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q.view(out_features, in_features), 1))
         zero = low + 8 * scale  # the kernel computes (q − 8)·s + z
-        self.register_buffer("scale_zero", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
+        scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.register_buffer("scale_zero", scale_zero)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float()
-        out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scale_zero)
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scale_zero).float()
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -156,8 +150,6 @@ def quantize(model: Any, mode: str) -> int:
     if mode == "none":
         return 0
     kind = {"int8": Int8Linear, "int4": Int4Linear}[mode]
-    if mode == "int8":
-        torch.backends.quantized.engine = "fbgemm" if "fbgemm" in torch.backends.quantized.supported_engines else "x86"
     linears = _linears(model)
     with torch.no_grad():
         for parent, name, linear in linears:

@@ -12,14 +12,13 @@ session's thread sleeps until the round is done instead of waking for every toke
 from __future__ import annotations
 
 import logging
-import os
+import queue
 import statistics
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import itemgetter
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -110,34 +109,39 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._compiled: Callable[..., ForwardOutput] | None = None
         self._compiled_steps: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.compile_s = 0.0  # how long `compile` took, once it is done
+        self.compile_s = 0.0  # how long `compile` took for the common shapes
+        self._warm: set[tuple[bool, ...]] = set()  # `shape_key`s the compiled forward has run
+        self._warm_steps: set[tuple[bool, bool]] = set()  # `steps_key`s of the fused greedy steps
+        self._ready = False  # the common shapes are compiled
+        self._background = False  # a compile thread takes the shapes serving meets
+        self._pending: list[Shape] = []
+        self._requested: set[Shape] = set()
+        self._requests: queue.SimpleQueue[Shape] = queue.SimpleQueue()
 
-    def compile(self, background: bool = False, on_ready: Callable[[], None] | None = None) -> bool:
-        """Run forwards through `torch.compile`: compile the common shapes, then switch to them.
-        On failure log why and stay eager. `background`: serve eagerly meanwhile and compile on
-        a thread of its own (a service is SERVING in seconds, fast once `compiled` is set);
-        `on_ready` runs there after the switch. Returns False when compilation failed (always
-        True in the background, which reports through the log and `compiled`).
+    def compile(self, background: bool = False, on_ready: Callable[[], None] | None = None,
+                fuse_steps: bool = True) -> bool:
+        """Run forwards through `torch.compile`, shape by shape as each is compiled. On failure
+        log why and stay eager. `background`: serve eagerly meanwhile and compile on a thread of
+        its own (a service is SERVING in seconds, and each shape turns fast once compiled);
+        `on_ready` runs there once the common shapes are (`compiled`). `fuse_steps`: compile
+        the fused greedy steps too (`greedy_steps`). Returns False when compilation failed
+        (always True in the background, which reports through the log).
 
         CPU: graphs over symbolic shapes (rows, new tokens, slots looked at), so batches of any
-        size run compiled code without recompiling; torch specialises sizes of 1, hence a few
-        graphs (`_warm_shapes`); rarer mixes compile when first met. Compiled arithmetic is not
-        bit-identical to eager (fused reductions): tokens equal, logits to ~1e-6. CUDA: CUDA
-        graphs, which want static shapes, so rows are padded to powers of two and slots to
-        multiples of 64, one graph per bucket (decode at 1, 2, 4, 8 rows compiled now). The
-        compiled code is cached on disk (TORCHINDUCTOR_CACHE_DIR) for the next start.
+        size run compiled code without recompiling; torch specialises sizes of 1, a run of
+        consecutive rows (read in place) and entropix's metrics, hence a few graphs, one per
+        `shape_key`. A forward whose key is not compiled yet runs eagerly and, in the
+        background, has its key compiled: no session ever waits for a compiler. Compiled
+        arithmetic is not bit-identical to eager (fused reductions): tokens equal, logits to
+        ~1e-6. CUDA: CUDA graphs, which want static shapes, so rows are padded to powers of two
+        and slots to multiples of 64, one graph per bucket (decode at 1, 2, 4, 8 rows compiled
+        now). Compiled code is cached on disk (TORCHINDUCTOR_CACHE_DIR) for the next start.
         """
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "specwire" / "inductor"))
-        if not background:
-            return self._compile(on_ready)
-        threading.Thread(target=self._compile, args=(on_ready,), name="specwire-compile", daemon=True).start()
-        return True
-
-    def _compile(self, on_ready: Callable[[], None] | None) -> bool:
         cuda = self.device.type == "cuda"
-        started = time.perf_counter()
+        # A graph per shape key (and per model, when several engines share a process): more than
+        # dynamo's default 8 per function.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         try:
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             if cuda:
                 forward = torch.compile(self.model.forward, mode="reduce-overhead")
                 steps = None
@@ -148,57 +152,108 @@ class Scheduler:
                 options: dict[str, str | int | bool | Callable[..., Any]] = {"cpp_wrapper": True}
                 options.update(dict.fromkeys(checks_off, False))
                 forward = torch.compile(self.model.forward, dynamic=True, options=options)
-                steps = torch.compile(greedy_steps, dynamic=True, options=options)
-            self._warm_shapes(forward, steps)
-        except Exception as error:  # any compiler failure: serve eagerly
+                steps = torch.compile(greedy_steps, dynamic=True, options=options) if fuse_steps else None
+        except Exception as error:  # a compiler that cannot even start: serve eagerly
             log.warning("torch.compile failed, serving eagerly: %s: %s", type(error).__name__, error)
             return False
-        self._compiled, self._compiled_steps = forward, steps
-        self.compile_s = time.perf_counter() - started
-        log.info("compiled the forward (%s) in %.1f s", self.device.type, self.compile_s)
-        if on_ready is not None:
-            on_ready()
+        self._pending = [shape for shape in self._common_shapes(not cuda) if steps is not None or not shape.steps]
+        if not background:
+            return self._compile_pending(forward, steps, on_ready)
+        self._background = True
+        threading.Thread(target=self._compile_pending, args=(forward, steps, on_ready), name="specwire-compile",
+                         daemon=True).start()
         return True
 
-    def _warm_shapes(self, forward: Callable[..., ForwardOutput], steps: Callable[..., Any] | None) -> None:
-        """Run each common shape once through the compiled callables, so none compiles while a
-        session waits. Rows: the scratch row (never a session's), and a run of free rows taken
-        from the pool for the consecutive-row graphs.
+    def _common_shapes(self, cpu: bool) -> list[Shape]:
+        """The shapes compiled first, most used first. CPU: one row at a decode step, one session's
+        fused greedy steps, a verification scored at its last or every token, gathered and
+        consecutive rows (other sessions' decode steps and verifications), entropix's steps with
+        its metrics (a decode step, a prompt scored at its last token, a verification scored at
+        every token and at its last few). CUDA: decode steps at 1, 2, 4 and 8 rows."""
+        if not cpu:
+            return [Shape("gathered" if rows > 1 else "one", rows, 1, 1) for rows in (1, 2, 4, 8)]
+        return [Shape("one", 1, 1, 1), Shape("one", 1, 1, 1, steps=True), Shape("one", 1, 3, 1), Shape("one", 1, 3, 3),
+                Shape("gathered", 3, 1, 1), Shape("gathered", 3, 1, 1, steps=True), Shape("gathered", 3, 3, 1),
+                Shape("run", 3, 1, 1), Shape("run", 3, 1, 1, steps=True), Shape("run", 3, 3, 1),
+                Shape("one", 1, 1, 1, metrics=True), Shape("one", 1, 3, 1, metrics=True),
+                Shape("one", 1, 3, 3, metrics=True), Shape("one", 1, 4, 3, metrics=True)]
 
-        CPU: sizes of 1 are specialised, and gathered rows (a run of consecutive rows is read
-        in place) are a graph of their own: three graphs for one row (a token; several, the
-        last or all scored), two for gathered and two for consecutive rows (a token or
-        several), and four for one session's entropix steps with its metrics (a decode step, a
-        prompt scored at its last token, a verification scored at every token, and at its last
-        few after an append: speculative entropix); and the fused greedy steps at one row,
-        gathered and consecutive rows."""
+    def _compile_pending(self, forward: Callable[..., ForwardOutput], steps: Callable[..., Any] | None,
+                         on_ready: Callable[[], None] | None) -> bool:
+        """Compile the common shapes (`compiled` then), then in the background entropix's and
+        whatever shape serving meets; without a background thread, those compile when met."""
+        started = time.perf_counter()
+        self._compiled, self._compiled_steps = forward, steps  # used for the warm keys alone
+        try:
+            while self._pending and not self._pending[0].metrics:  # entropix's shapes come after `compiled`
+                self._compile_shape(self._pending.pop(0))
+        except Exception as error:  # any compiler failure: serve eagerly
+            self._compiled = self._compiled_steps = None
+            log.warning("torch.compile failed, serving eagerly: %s: %s", type(error).__name__, error)
+            return False
+        self.compile_s = time.perf_counter() - started
+        self._ready = True
+        log.info("compiled the forward (%s, %d shapes) in %.1f s", self.device.type, len(self._warm), self.compile_s)
+        if on_ready is not None:
+            on_ready()
+        for shape in self._pending:
+            self._request_shape(shape)
+        self._pending = []
+        while self._background:  # shapes serving met that were not compiled yet
+            shape = self._requests.get()
+            try:
+                self._compile_shape(shape)
+            except Exception as error:  # that shape stays eager
+                log.warning("torch.compile failed for %s, served eagerly: %s: %s", shape, type(error).__name__, error)
+        return True
+
+    def _compile_shape(self, shape: Shape) -> None:
+        """Run one forward of `shape` through the compiled code on rows no session owns (the
+        scratch row, or a run of free rows) and mark its key compiled."""
         scratch = self.cache.scratch_row
-        shapes = [([scratch] * rows, 1, 1, False) for rows in (1, 2, 4, 8)] if steps is None else [
-            ([scratch], 1, 1, False), ([scratch], 3, 1, False), ([scratch], 3, 3, False),
-            ([scratch] * 3, 1, 1, False), ([scratch] * 3, 3, 1, False),
-            ([scratch], 1, 1, True), ([scratch], 3, 1, True), ([scratch], 3, 3, True), ([scratch], 4, 3, True)]
         try:
-            run = self.cache.allocate(3, timeout_s=0.0) if steps is not None and self.cache.shape.rows >= 3 else []
-        except ResourceExhausted:  # every row is a session's: those graphs compile when first met
-            run = []
+            run = self.cache.allocate(shape.rows, timeout_s=0.0) if shape.kind == "run" else []
+        except ResourceExhausted:  # every row is a session's: it waits for a later request
+            self._requested.discard(shape)
+            return
         try:
-            if run:
-                shapes += [(run, 1, 1, False), (run, 3, 1, False)]
-            for rows, tokens, keep, metrics in shapes:
-                # From slot 2 on: a job at slot 0 would look at one slot, and specialise that too.
-                tokens_in = torch.zeros((len(rows), tokens), dtype=torch.long)
-                self._forward([ForwardJob(rows, tokens_in, 2, keep, want_metrics=metrics)], forward)
-            if steps is not None:
-                for rows in [[scratch], [scratch] * 3] + ([run] if run else []):
-                    self._forward_steps([ForwardJob(rows, torch.zeros((len(rows), 1), dtype=torch.long), 2, 1)], steps)
+            rows = run or [scratch] * shape.rows
+            # From slot 2 on: a job at slot 0 would look at one slot, and specialise that too.
+            job = ForwardJob(rows, torch.zeros((len(rows), shape.tokens), dtype=torch.long), 2, shape.keep,
+                             want_metrics=shape.metrics)
+            if shape.steps:
+                assert self._compiled_steps is not None
+                self._forward_steps([job], self._compiled_steps)
+                self._warm_steps.add(steps_key(len(rows), bool(run) or len(rows) == 1))
+            else:
+                self._forward([job], self._compiled, warm=True)
         finally:
             if run:
                 self.cache.release(run)
 
+    def _request(self, jobs: list[ForwardJob], batch: ForwardBatch, steps: bool = False) -> None:
+        """A shape serving met that is not compiled: compile it in the background."""
+        contiguous = batch.contiguous_from is not None
+        rows = int(batch.input_ids.shape[0])
+        kind = "one" if rows == 1 else "run" if contiguous else "gathered"
+        width = int(batch.input_ids.shape[1])
+        picked = 0 if batch.logit_index is None else int(batch.logit_index.shape[0])
+        tokens = 1 if width == 1 else min(width, 4)
+        keep = 1 if picked <= rows else tokens if picked == rows * width else 2  # the last, all, or some
+        metrics = any(job.want_metrics for job in jobs)
+        self._request_shape(Shape(kind, 1 if rows == 1 else 3, tokens, keep, metrics, steps))
+
+    def _request_shape(self, shape: Shape) -> None:
+        with self._mutex:
+            if shape in self._requested or not self._background:
+                return
+            self._requested.add(shape)
+        self._requests.put(shape)
+
     @property
     def compiled(self) -> bool:
-        """Forwards run compiled code (after `compile`, once its shapes are warm)."""
-        return self._compiled is not None
+        """Forwards run compiled code (after `compile`, once its common shapes are)."""
+        return self._ready
 
     def time_decode_step(self, rows: int, start: int, repeats: int = 200) -> tuple[float, float | None]:
         """Median ms of one decode step of cache rows 0..rows−1 (free ones) at `start` cached
@@ -313,7 +368,7 @@ class Scheduler:
 
     def _execute(self, jobs: list[ForwardJob]) -> None:
         started = time.perf_counter()
-        fused = self._compiled_steps is not None and all(_fusable(job) for job in jobs)
+        fused = self._compiled_steps is not None and all(_fusable(job) for job in jobs) and self._steps_warm(jobs)
         fed = torch.empty(0)
         try:
             if fused:
@@ -378,6 +433,20 @@ class Scheduler:
         job.tokens = tokens
         return True
 
+    def _steps_warm(self, jobs: list[ForwardJob]) -> bool:
+        """Fused greedy steps of these jobs are compiled (else they are asked for, and the round
+        runs step by step meanwhile)."""
+        rows = [row for job in jobs for row in job.rows]
+        key = steps_key(len(rows), rows == list(range(rows[0], rows[0] + len(rows))))
+        if key in self._warm_steps:
+            return True
+        if self._background:
+            self._request(jobs, build_batch(jobs, self.device, self.cache.scratch_row), steps=True)
+        elif self._compiled_steps is not None:  # compiled in place, as `compile` without background
+            self._warm_steps.add(key)
+            return True
+        return False
+
     @torch.inference_mode()
     def _forward_steps(self, jobs: list[ForwardJob], steps: Callable[..., Any] | None = None) -> torch.Tensor:
         """FUSED_STEPS greedy steps of plain greedy rounds (`_fusable`) in one compiled call
@@ -396,8 +465,11 @@ class Scheduler:
         return fed
 
     @torch.inference_mode()
-    def _forward(self, jobs: list[ForwardJob], forward: Callable[..., ForwardOutput] | None = None) -> None:
-        """One forward of `jobs` through `forward` (a compiled one), default the installed one."""
+    def _forward(
+        self, jobs: list[ForwardJob], forward: Callable[..., ForwardOutput] | None = None, warm: bool = False
+    ) -> None:
+        """One forward of `jobs`: through the compiled code where their shape is compiled (or
+        `warm`: compile it now, through `forward`), else eagerly."""
         forward = forward or self._compiled
         metrics = any(job.want_metrics for job in jobs)
         cuda = self.device.type == "cuda"
@@ -408,6 +480,13 @@ class Scheduler:
         if metrics:
             batch.metrics = True
             batch.score_rows, batch.score_tokens = score_selection(jobs, self.device)
+        if compiled and not cuda:
+            key = shape_key(batch)
+            if warm or not self._background:
+                self._warm.add(key)  # compiled now, in place
+            elif key not in self._warm:
+                compiled = False
+                self._request(jobs, batch)
         if compiled:
             assert forward is not None
             # Guarded on (a mask or none): one graph. CUDA graphs would also specialise the first row.
@@ -439,6 +518,35 @@ class Scheduler:
                 scored += count
             first += count
             offset += size
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A forward's shape as compiled code specialises it: `kind` of rows ("one", a "run" of
+    consecutive rows read in place, or "gathered" rows), new tokens per row, logits kept per
+    row, entropix's metrics, fused greedy steps."""
+
+    kind: str
+    rows: int
+    tokens: int
+    keep: int
+    metrics: bool = False
+    steps: bool = False
+
+
+def shape_key(batch: ForwardBatch) -> tuple[bool, ...]:
+    """What torch specialises a compiled forward on: sizes of 1 (rows, new tokens, logits,
+    and the metrics' selection), a run of rows read in place, and the metrics."""
+    rows, tokens = batch.input_ids.shape
+    picked = 0 if batch.logit_index is None else int(batch.logit_index.shape[0])
+    key: tuple[bool, ...] = (rows == 1, tokens == 1, picked == 1, batch.contiguous_from is not None, batch.metrics)
+    if batch.score_tokens is not None:
+        key += (batch.score_tokens.shape[0] == 1, batch.score_tokens.shape[1] == 1)
+    return key
+
+
+def steps_key(rows: int, contiguous: bool) -> tuple[bool, bool]:
+    return rows == 1, contiguous
 
 
 def _fusable(job: ForwardJob) -> bool:

@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -33,3 +33,19 @@ class TraceContext(_message.Message):
     traceparent: str
     tracestate: str
     def __init__(self, traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
+
+class StartupTimes(_message.Message):
+    __slots__ = ("serving_s", "phases")
+    SERVING_S_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    serving_s: float
+    phases: _containers.RepeatedCompositeFieldContainer[StartupPhase]
+    def __init__(self, serving_s: _Optional[float] = ..., phases: _Optional[_Iterable[_Union[StartupPhase, _Mapping]]] = ...) -> None: ...
+
+class StartupPhase(_message.Message):
+    __slots__ = ("name", "seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    seconds: float
+    def __init__(self, name: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...

@@ -1,3 +1,4 @@
+from specwire.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -394,7 +395,7 @@ class OrchestratorInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class OrchestratorInfo(_message.Message):
-    __slots__ = ("target_model", "draft_model", "vocab_size", "max_context", "max_new_tokens_limit", "strategies", "draft_capabilities", "target_capabilities", "replicas", "tokenizer_source")
+    __slots__ = ("target_model", "draft_model", "vocab_size", "max_context", "max_new_tokens_limit", "strategies", "draft_capabilities", "target_capabilities", "replicas", "tokenizer_source", "startup")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -405,6 +406,7 @@ class OrchestratorInfo(_message.Message):
     TARGET_CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     vocab_size: int
@@ -415,7 +417,8 @@ class OrchestratorInfo(_message.Message):
     target_capabilities: _containers.RepeatedScalarFieldContainer[str]
     replicas: _containers.RepeatedCompositeFieldContainer[Replica]
     tokenizer_source: str
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., strategies: _Optional[_Iterable[str]] = ..., draft_capabilities: _Optional[_Iterable[str]] = ..., target_capabilities: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., tokenizer_source: _Optional[str] = ...) -> None: ...
+    startup: _common_pb2.StartupTimes
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., strategies: _Optional[_Iterable[str]] = ..., draft_capabilities: _Optional[_Iterable[str]] = ..., target_capabilities: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., tokenizer_source: _Optional[str] = ..., startup: _Optional[_Union[_common_pb2.StartupTimes, _Mapping]] = ...) -> None: ...
 
 class Replica(_message.Message):
     __slots__ = ("role", "address", "state", "active_sessions", "sessions_opened", "failures")
