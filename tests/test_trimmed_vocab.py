@@ -203,7 +203,7 @@ def test_draft_quality_reports_exact_figures_for_a_trimmed_draft(
     small_target_dir: Path, trimmed_draft_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["draft-quality", "--target", str(small_target_dir), "--draft", str(trimmed_draft_dir), "--windows", "2",
-            "--window", "16", "--prompts", "input_grounded", "--new-tokens", "4", "--json"]
+            "--window", "16", "--new-tokens", "4", "--json"]
     assert cli_main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     for part in ("held_out", "continuations"):
