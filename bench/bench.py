@@ -972,6 +972,10 @@ def load_prompts(path: str | None) -> list[str]:
 
 
 def default_models(target: str | None, draft: str | None) -> tuple[str, str]:
+    """(target, draft); without --draft-model, a target's own `specwire pair` draft (DIR/draft) if
+    it has one, else the demo draft."""
+    if draft is None and target is not None and (Path(target) / "draft" / "config.json").is_file():
+        draft = str(Path(target) / "draft")
     return target or str(demo_target_dir()), draft or str(demo_draft_dir())
 
 
@@ -989,7 +993,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--gamma", type=int, default=4, help="γ of the speculative and constant-schedule rows")
     parser.add_argument("--num-beams", type=int, default=4, help="k of the beam rows (specwire_beam, specwire_best_first_beam)")
     parser.add_argument("--target-model", help="target model directory (default: the demo target)")
-    parser.add_argument("--draft-model", help="draft model directory (default: the demo draft)")
+    parser.add_argument("--draft-model", help="draft model directory (default: TARGET/draft if there, else the demo draft)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantize", default="auto", help="the model services' --quantize (none, int8, int4, auto)")

@@ -5,6 +5,9 @@ It is what a CPU user would run instead of specwire: the same prompts as token i
 (the target service's count). Time covers prompt evaluation and generation, as a `Generate`
 call's does. llama.cpp keeps its own weights in the GGUF's quantisation (Q4_K_M for
 Gemma-3-270M), so its tokens may differ from the float target's where logits nearly tie.
+
+On CPUs with AMX, llama.cpp 0.3.36 built with its native flags segfaults in its first decode
+(ggml-org/llama.cpp#20824); build it with AMX off: see docs/performance.md.
 """
 
 from __future__ import annotations

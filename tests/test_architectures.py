@@ -150,3 +150,20 @@ def test_gemma_3_270m_float32_greedy_and_beam_equal_transformers() -> None:
     with ThreadPoolExecutor(max_workers=2) as pool:
         together = list(pool.map(lambda p: generate(backend, tokenizer(p).input_ids), prompts))
     assert together == [generate(backend, tokenizer(p).input_ids) for p in prompts]
+
+
+def test_row_attention_gives_a_row_the_same_bits_alone_and_beside_longer_rows() -> None:
+    """Per-row attention (quantised models) against its own extent: a one-token row over 37 slots
+    equals itself in a batch padded to 5 tokens × 100 slots (one SDPA over the padded batch differs
+    by ~1e-7 on x86 CPUs, enough to flip an int8 activation's rounding)."""
+    torch.manual_seed(0)
+    heads, dim, tokens, slots, wide, long = 4, 256, 1, 37, 5, 100
+    query, keys, values = torch.randn(2, heads, wide, dim), torch.randn(2, 1, long, dim), torch.randn(2, 1, long, dim)
+    mask = torch.ones(2, 1, wide, long, dtype=torch.bool)
+    mask[0, :, :, slots:] = False
+    alone = torch.ops.specwire.row_attention(query[:1, :, :tokens], keys[:1, :, :slots], values[:1, :, :slots],
+                                             mask[:1, :, :tokens, :slots], torch.tensor([[tokens, slots]]), 0.0625, True)
+    batched = torch.ops.specwire.row_attention(query, keys, values, mask, torch.tensor([[tokens, slots], [wide, long]]),
+                                               0.0625, True)
+    assert torch.equal(batched[:1, :, :tokens], alone)
+    assert torch.equal(batched[0, :, tokens:], torch.zeros(heads, wide - tokens, dim))  # padding attends nowhere

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specwire.config import compile_default
+from specwire.engine import quantize
 from specwire.engine.cache import SLACK, SlotCache
 from specwire.engine.forward import LeanModel, lean_model
 from specwire.engine.model import CausalLM, tokenizer_fingerprint
@@ -95,6 +96,7 @@ class Engine:
             rows, max_len = cache_size(lean, lm, self.limits)
             self.cache = SlotCache(lean.cache_shape(rows, max_len), lm.device, self.limits.max_queued_sessions)
             self.scheduler = Scheduler(lean, self.cache, lm.device)
+            self.scheduler.row_invariant = lm.quantization in quantize.ACTIVATION_QUANTISED
             log.info(
                 "%s: slot cache of %d rows × %d tokens (%.1f MiB)", role, rows, max_len, self.cache.shape.bytes / 2**20
             )

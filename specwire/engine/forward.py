@@ -55,6 +55,9 @@ class ForwardBatch:
     metrics: bool = False
     score_rows: torch.Tensor | None = None  # [R] long, indices into the batch
     score_tokens: torch.Tensor | None = None  # [R, K] long
+    # [B, 2] long: each row's real new tokens and the slots they see; given, attention runs per
+    # row on exactly those (`row_attention`), so a row's output never depends on its batch.
+    extents: torch.Tensor | None = None
 
 
 @dataclass
@@ -120,7 +123,10 @@ def _attend(
         mask = batch.key_mask.unsqueeze(1)  # [B, 1, T, L]
     if scores_out is not None:
         scores_out.append(_chosen_scores(query, keys, batch, scaling))
-    if softcap is not None:  # no fused kernel takes a cap: q·kᵀ, tanh cap, mask, softmax, ·v
+    if batch.extents is not None and softcap is None:
+        mask = mask if mask is not None else batch.key_mask.unsqueeze(1)
+        out = torch.ops.specwire.row_attention(query, keys, values, mask, batch.extents, scaling, gqa)
+    elif softcap is not None:  # no fused kernel takes a cap: q·kᵀ, tanh cap, mask, softmax, ·v
         groups = query.shape[1] // keys.shape[1]
         scores = attention_scores(query, keys, scaling)  # [B, Hq, T, L] float32
         scores = torch.tanh(scores / softcap) * softcap
@@ -131,6 +137,31 @@ def _attend(
     else:
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).flatten(2)  # [B, T, Hq·D]
+
+
+@torch.library.custom_op("specwire::row_attention", mutates_args=())
+def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                  extents: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
+    """SDPA one row at a time over the row's own tokens and slots: [B, Hq, T, D] (zeros at padding).
+
+    CPU SDPA's result depends on the padded lengths around a row (a row beside a longer one
+    differs by ~1e-7), and activation-quantised linears turn such differences into other tokens.
+    Per row, a session's arithmetic is the same alone and in any batch. An opaque op to the
+    compiler: the loop reads the extents' values."""
+    out = torch.zeros_like(query)
+    for b, (tokens, slots) in enumerate(extents.tolist()):
+        out[b, :, :tokens] = F.scaled_dot_product_attention(
+            query[b : b + 1, :, :tokens].contiguous(), keys[b : b + 1, :, :slots].contiguous(),
+            values[b : b + 1, :, :slots].contiguous(), attn_mask=mask[b : b + 1, :, :tokens, :slots].contiguous(),
+            scale=scale, enable_gqa=gqa,
+        )[0]
+    return out
+
+
+@row_attention.register_fake
+def _(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, extents: torch.Tensor,
+      scale: float, gqa: bool) -> torch.Tensor:
+    return torch.empty_like(query)
 
 
 def _chosen_scores(query: torch.Tensor, keys: torch.Tensor, batch: ForwardBatch, scaling: float) -> torch.Tensor:
@@ -353,8 +384,9 @@ def greedy_steps(model: LeanModel, cache: SlotCache, batch: ForwardBatch, steps:
         if step:
             slots, positions = slots + 1, positions + 1
             key_mask = torch.arange(length + step, device=slots.device) <= slots[:, :, None]  # [B, 1, L + step]
+            extents = None if batch.extents is None else torch.cat([torch.ones_like(slots), slots + 1], dim=1)
             step_batch = ForwardBatch(batch.rows, ids, slots, positions, key_mask, batch.logit_index,
-                                      batch.contiguous_from)
+                                      batch.contiguous_from, extents=extents)
         out = model.forward(cache, step_batch)
         assert out.logits is not None
         ids = out.logits.argmax(dim=-1, keepdim=True)  # [B, 1]

@@ -23,6 +23,9 @@ from torch import nn
 log = logging.getLogger("specwire")
 
 MODES = ("none", "int8", "int4", "auto")
+# Modes that round activations (int8 per row, int4 through bfloat16): ~1e-7 differences upstream
+# can flip a rounding, so the engine keeps each row's arithmetic independent of its batch.
+ACTIVATION_QUANTISED = ("int8", "int4")
 INT4_GROUP = 32
 
 

@@ -97,6 +97,9 @@ class Scheduler:
     """
 
     def __init__(self, model: LeanModel, cache: SlotCache, device: torch.device) -> None:
+        # Activation-quantised linears turn ~1e-7 differences in attention into other tokens:
+        # with this set, attention runs per row, so batching never changes a session's output.
+        self.row_invariant = False
         self.model = model
         self.cache = cache
         self.device = device
@@ -441,7 +444,7 @@ class Scheduler:
         if key in self._warm_steps:
             return True
         if self._background:
-            self._request(jobs, build_batch(jobs, self.device, self.cache.scratch_row), steps=True)
+            self._request(jobs, build_batch(jobs, self.device, self.cache.scratch_row, row_invariant=self.row_invariant), steps=True)
         elif self._compiled_steps is not None:  # compiled in place, as `compile` without background
             self._warm_steps.add(key)
             return True
@@ -454,7 +457,7 @@ class Scheduler:
         returns the tokens the forward fed itself."""
         steps = steps or self._compiled_steps
         assert steps is not None
-        batch = build_batch(jobs, self.device, self.cache.scratch_row)
+        batch = build_batch(jobs, self.device, self.cache.scratch_row, row_invariant=self.row_invariant)
         batch.logit_index = logit_index(jobs, 1, self.device)
         batch.dense = False  # guarded on (a mask or none): one graph
         fed, logits = steps(self.model, self.cache, batch, FUSED_STEPS)
@@ -475,7 +478,8 @@ class Scheduler:
         cuda = self.device.type == "cuda"
         compiled = forward is not None and not (metrics and cuda)
         pad = compiled and cuda  # CUDA graphs: few static shapes
-        batch = build_batch(jobs, self.device, self.cache.scratch_row, pad_rows=pad, key_multiple=64 if pad else 1)
+        batch = build_batch(jobs, self.device, self.cache.scratch_row, pad_rows=pad, key_multiple=64 if pad else 1,
+                            row_invariant=self.row_invariant)
         batch.logit_index = logit_index(jobs, int(batch.input_ids.shape[1]), self.device, pad)
         if metrics:
             batch.metrics = True
@@ -608,12 +612,14 @@ def bucket(size: int) -> int:
 
 
 def build_batch(
-    jobs: list[ForwardJob], device: torch.device, scratch_row: int, pad_rows: bool = False, key_multiple: int = 1
+    jobs: list[ForwardJob], device: torch.device, scratch_row: int, pad_rows: bool = False, key_multiple: int = 1,
+    row_invariant: bool = False,
 ) -> ForwardBatch:
     """Pad the jobs' rows to one [B, T] batch with per-row slots, positions and key masks.
 
     `pad_rows` rounds B up to a power of two with rows of the scratch row, and `key_multiple`
     rounds the slots looked at (L) up, so compiled code sees few distinct shapes.
+    `row_invariant`: attention per row over its own extent (`ForwardBatch.extents`).
     """
     rows = [row for job in jobs for row in job.rows]
     real = len(rows)  # before padding
@@ -658,4 +664,6 @@ def build_batch(
         key_mask=key_mask.to(device),
         contiguous_from=rows[0] if contiguous else None,
         dense=T == 1 and all(start == L - 1 for start in starts),  # every row sees every slot
+        extents=torch.tensor([[n, start + n] for n, start in zip(lengths, starts, strict=True)], device=device)
+        if row_invariant else None,
     )
