@@ -141,9 +141,7 @@ class Scheduler:
         now). Compiled code is cached on disk (TORCHINDUCTOR_CACHE_DIR) for the next start.
         """
         cuda = self.device.type == "cuda"
-        # A graph per shape key (and per model, when several engines share a process): more than
-        # dynamo's default 8 per function.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        _allow_recompiles()
         try:
             if cuda:
                 forward = torch.compile(self.model.forward, mode="reduce-overhead")
@@ -185,6 +183,7 @@ class Scheduler:
                          on_ready: Callable[[], None] | None) -> bool:
         """Compile the common shapes (`compiled` then), then in the background entropix's and
         whatever shape serving meets; without a background thread, those compile when met."""
+        _allow_recompiles()  # dynamo's config is per thread: this one compiles
         started = time.perf_counter()
         self._compiled, self._compiled_steps = forward, steps  # used for the warm keys alone
         try:
@@ -536,6 +535,12 @@ class Shape:
     keep: int
     metrics: bool = False
     steps: bool = False
+
+
+def _allow_recompiles() -> None:
+    """A graph per shape key (and per model, when several engines share a process): more than
+    dynamo's default 8 per function, in the calling thread (dynamo's config is thread-local)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
 
 def shape_key(batch: ForwardBatch) -> tuple[bool, ...]:
