@@ -167,3 +167,14 @@ def test_row_attention_gives_a_row_the_same_bits_alone_and_beside_longer_rows() 
                                                0.0625, True)
     assert torch.equal(batched[:1, :, :tokens], alone)
     assert torch.equal(batched[0, :, tokens:], torch.zeros(heads, wide - tokens, dim))  # padding attends nowhere
+
+
+@pytest.mark.parametrize("out_features", [64, 256, 1024])
+def test_an_int8_linear_gives_a_row_the_same_bits_in_any_batch(out_features: int) -> None:
+    """oneDNN scales one row's sums differently from several rows' at small widths; the layer
+    applies the scales itself, so row 0 is bit-identical at every batch size."""
+    torch.manual_seed(0)
+    layer = Int8Linear(torch.nn.Linear(640, out_features, bias=False))
+    x = torch.randn(32, 640)
+    alone = layer(x[:1])
+    assert all(torch.equal(layer(x[:rows])[:1], alone) for rows in (2, 3, 8, 32))

@@ -58,7 +58,9 @@ class Int8Linear(nn.Module):
     so that a row's output never depends on the other rows of its batch.
 
     Each row is scaled to max |x| = 1 and quantised with one fixed scale, 1/127, around 128:
-    q_x = round(127·x/a) + 128 with a = max |x| per row; then y = a·(s_w·(q_x − 128)·q_wᵀ) + b.
+    q_x = round(127·x/a) + 128 with a = max |x| per row; then y = ((q_x − 128)·q_wᵀ)·(s_w/127)·a + b,
+    the integer sums from the GEMM and every scale applied elementwise, so each row's bits are
+    the same in any batch.
     oneDNN's int8 GEMM (`onednn::qlinear_pointwise`) reads the weights once for all the rows of
     a call: eight rows of Gemma-3's LM head cost 1.1× one row here, where fbgemm's dynamic
     linear costs 2×.
@@ -76,6 +78,8 @@ class Int8Linear(nn.Module):
         self.zeros: torch.Tensor
         self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(qweight, [1, self.in_features]))
         self.register_buffer("scales", scales)
+        self.register_buffer("out_scales", scales / 127)  # s_w · (1/127), applied after the GEMM
+        self.register_buffer("ones", torch.ones(self.out_features))
         self.register_buffer("zeros", torch.zeros(self.out_features, dtype=torch.long))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
@@ -83,9 +87,13 @@ class Int8Linear(nn.Module):
         flat = x.reshape(-1, self.in_features).float()
         amax = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)  # [rows, 1]
         qx = torch.round(flat / amax * 127).add(128).to(torch.uint8)
-        out = torch.ops.onednn.qlinear_pointwise(
-            qx, 1 / 127, 128, self.packed, self.scales, self.zeros, None, 1.0, 0, torch.float32, "none", [], ""
-        ) * amax
+        # The GEMM gives the integer sums (as float32, scales 1); the scales are applied here.
+        # oneDNN applies them differently for one row than for several at small output widths
+        # (≤ 256 here), which would make a row's output depend on its batch.
+        acc = torch.ops.onednn.qlinear_pointwise(
+            qx, 1.0, 128, self.packed, self.ones, self.zeros, None, 1.0, 0, torch.float32, "none", [], ""
+        )
+        out = acc * self.out_scales * amax
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
