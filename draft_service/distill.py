@@ -110,12 +110,7 @@ def distill(args: argparse.Namespace) -> dict[str, Any]:
             with torch.no_grad():
                 target_logits = target(input_ids=batch).logits  # [B, T, V]
             loss = distillation_loss(target_logits, draft(input_ids=batch).logits)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-            optimizer.step()
-            value = loss.item()
-            loss_ema = value if loss_ema is None else 0.98 * loss_ema + 0.02 * value
+            loss_ema = scratch.optimizer_step(optimizer, loss, draft, loss_ema)
             bar.update(1)
             bar.set_postfix(kl=f"{loss_ema:.4f}")
     train_s = time.perf_counter() - started

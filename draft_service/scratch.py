@@ -55,6 +55,17 @@ class DraftShape:
         return 64 * round(self.hidden * 8 / 3 / 64)  # Llama's ratio, rounded to 64
 
 
+
+def optimizer_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, model: torch.nn.Module,
+                   loss_ema: float | None) -> float:
+    """One step with gradients clipped to norm 1; returns the loss's moving average (0.98)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    value = loss.item()
+    return value if loss_ema is None else 0.98 * loss_ema + 0.02 * value
+
 def new_draft(shape: DraftShape, vocab: TrimmedVocab, target_config: Any, max_positions: int, seed: int) -> LlamaForCausalLM:
     """A freshly initialised Llama over the K draft ids, tied embedding and head."""
     torch.manual_seed(seed)
@@ -170,12 +181,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
                     text_logits = model(input_ids=inputs[windows[:, :-1]]).logits
                 loss = loss + args.text_weight * text_loss(text_logits, windows[:, 1:], table)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            value = loss.item()
-            loss_ema = value if loss_ema is None else 0.98 * loss_ema + 0.02 * value
+            loss_ema = optimizer_step(optimizer, loss, model, loss_ema)
             bar.update(1)
             bar.set_postfix(loss=f"{loss_ema:.3f}")
     train_s = time.perf_counter() - started
