@@ -35,6 +35,22 @@ from specwire.medusa import MedusaConfig, MedusaHeads
 from specwire.sparse_distill import coarse_kl, draft_vocabulary, sparse_targets
 
 
+def set_learning_rate(optimizer: torch.optim.Optimizer, step: int, args: argparse.Namespace) -> None:
+    """Linear warm-up over the first 5% of the steps, then cosine decay from --lr."""
+    scale = min(1.0, (step + 1) / max(1, args.steps // 20))
+    scale *= 0.5 * (1 + math.cos(math.pi * step / args.steps))
+    for group in optimizer.param_groups:
+        group["lr"] = args.lr * scale
+
+
+def take_step(optimizer: torch.optim.Optimizer, losses: torch.Tensor, history: list[list[float]], bar: Any) -> None:
+    """One step on the heads' summed losses [K]; each head's loss goes to `history` and the bar."""
+    optimizer.zero_grad(set_to_none=True)
+    losses.sum().backward()
+    optimizer.step()
+    history.append(losses.tolist())
+    bar.set_postfix(loss=" ".join(f"{value:.2f}" for value in history[-1]))
+
 def head_losses(
     head_logits: torch.Tensor, base_logits: torch.Tensor, tokens: torch.Tensor, distill: bool
 ) -> torch.Tensor:
@@ -144,10 +160,7 @@ def train_from_cache(args: argparse.Namespace) -> dict[str, Any]:
     history: list[list[float]] = []
     bar = tqdm(range(args.steps), desc="train-medusa", unit="step")
     for step in bar:
-        scale = min(1.0, (step + 1) / max(1, args.steps // 20))  # linear warm-up, then cosine decay
-        scale *= 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        for group in optimizer.param_groups:
-            group["lr"] = args.lr * scale
+        set_learning_rate(optimizer, step, args)
         chosen = torch.from_numpy(np.sort(rng.choice(len(cached["tokens"]), args.batch_size, replace=False)))
         scores = heads.scores(cached["hidden"][chosen].float())  # [B, T, N, head_vocab]
         idx, inside = sparse_targets(cached["topk_ids"][chosen], table)  # [B, T, k]
@@ -157,11 +170,7 @@ def train_from_cache(args: argparse.Namespace) -> dict[str, Any]:
             coarse_kl(teacher[:, k + 1 :], idx[:, k + 1 :], inside[:, k + 1 :], scores[:, : steps_in - k - 1, k]).mean()
             for k in range(heads.num_heads)
         ])  # [N]: head k at t against the base at t+k+1
-        optimizer.zero_grad(set_to_none=True)
-        losses.sum().backward()
-        optimizer.step()
-        history.append(losses.tolist())
-        bar.set_postfix(loss=" ".join(f"{value:.2f}" for value in history[-1]))
+        take_step(optimizer, losses, history, bar)
     heads.eval()
     with torch.no_grad():
         hits, counts = torch.zeros(heads.num_heads, 2), torch.zeros(heads.num_heads)
@@ -190,21 +199,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     bar = tqdm(range(args.steps), desc="train-medusa", unit="step")
     history: list[list[float]] = []
     for step in bar:
-        scale = min(1.0, (step + 1) / max(1, args.steps // 20))  # linear warm-up, then cosine decay
-        scale *= 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        for group in optimizer.param_groups:
-            group["lr"] = args.lr * scale
+        set_learning_rate(optimizer, step, args)
         batch = torch.from_numpy(train_windows[np.sort(rng.choice(len(train_windows), args.batch_size, replace=False))])
         with torch.no_grad():
             out = model.base_model(input_ids=batch[:, :-1])
             hidden = out.last_hidden_state  # [B, T, H]
             base_logits = model.get_output_embeddings()(hidden) if args.loss == "distill" else hidden[..., :0]
         losses = head_losses(heads(hidden), base_logits, batch, args.loss == "distill")  # [K]
-        optimizer.zero_grad(set_to_none=True)
-        losses.sum().backward()
-        optimizer.step()
-        history.append(losses.tolist())
-        bar.set_postfix(loss=" ".join(f"{value:.2f}" for value in history[-1]))
+        take_step(optimizer, losses, history, bar)
     heads.eval()
     accuracy = head_accuracy(model, heads, val_windows, args.batch_size)
     return save_with_report(args, heads, history, accuracy, time.perf_counter() - started)

@@ -95,8 +95,8 @@ class Engine:
         if lean is not None:
             rows, max_len = cache_size(lean, lm, self.limits)
             self.cache = SlotCache(lean.cache_shape(rows, max_len), lm.device, self.limits.max_queued_sessions)
-            self.scheduler = Scheduler(lean, self.cache, lm.device)
-            self.scheduler.row_invariant = lm.quantization in quantize.ACTIVATION_QUANTISED
+            self.scheduler = Scheduler(lean, self.cache, lm.device,
+                                       row_invariant=lm.quantization in quantize.ACTIVATION_QUANTISED)
             log.info(
                 "%s: slot cache of %d rows × %d tokens (%.1f MiB)", role, rows, max_len, self.cache.shape.bytes / 2**20
             )

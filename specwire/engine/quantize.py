@@ -74,10 +74,10 @@ class Int8Linear(nn.Module):
         scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)  # symmetric, per output channel
         qweight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
         self.packed: torch.Tensor
-        self.scales: torch.Tensor
+        self.out_scales: torch.Tensor
+        self.ones: torch.Tensor
         self.zeros: torch.Tensor
         self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(qweight, [1, self.in_features]))
-        self.register_buffer("scales", scales)
         self.register_buffer("out_scales", scales / 127)  # s_w · (1/127), applied after the GEMM
         self.register_buffer("ones", torch.ones(self.out_features))
         self.register_buffer("zeros", torch.zeros(self.out_features, dtype=torch.long))

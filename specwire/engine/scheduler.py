@@ -96,10 +96,10 @@ class Scheduler:
     over the wire are not waited for. A session alone never waits.
     """
 
-    def __init__(self, model: LeanModel, cache: SlotCache, device: torch.device) -> None:
+    def __init__(self, model: LeanModel, cache: SlotCache, device: torch.device, row_invariant: bool = False) -> None:
         # Activation-quantised linears turn ~1e-7 differences in attention into other tokens:
         # with this set, attention runs per row, so batching never changes a session's output.
-        self.row_invariant = False
+        self.row_invariant = row_invariant
         self.model = model
         self.cache = cache
         self.device = device
@@ -141,7 +141,6 @@ class Scheduler:
         now). Compiled code is cached on disk (TORCHINDUCTOR_CACHE_DIR) for the next start.
         """
         cuda = self.device.type == "cuda"
-        _allow_recompiles()
         try:
             if cuda:
                 forward = torch.compile(self.model.forward, mode="reduce-overhead")
