@@ -8,6 +8,7 @@ Gemma-3-270M itself is checked where `specwire models fetch gemma-3-270m` has pr
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -152,21 +153,40 @@ def test_gemma_3_270m_float32_greedy_and_beam_equal_transformers() -> None:
     assert together == [generate(backend, tokenizer(p).input_ids) for p in prompts]
 
 
-def test_row_attention_gives_a_row_the_same_bits_alone_and_beside_longer_rows() -> None:
-    """Per-row attention (quantised models) against its own extent: a one-token row over 37 slots
-    equals itself in a batch padded to 5 tokens × 100 slots (one SDPA over the padded batch differs
-    by ~1e-7 on x86 CPUs, enough to flip an int8 activation's rounding)."""
+@pytest.mark.parametrize("decode", [True, False])
+def test_row_attention_gives_a_row_the_same_bits_alone_and_in_any_batch(decode: bool) -> None:
+    """Attention for quantised models: each row of random batches (one new token a row, or
+    ragged verifications; rows read in place or gathered, keys over whole blocks as `build_batch`
+    lays them) equals the row alone, bit for bit. One SDPA over a batch padded to its longest
+    row differs by ~1e-7 on x86 CPUs, enough to flip an int8 activation's rounding."""
+    from specwire.engine.forward import row_keys
+
+    rng, heads, kv_heads, dim, limit = random.Random(0), 4, 1, 256, 1100
     torch.manual_seed(0)
-    heads, dim, tokens, slots, wide, long = 4, 256, 1, 37, 5, 100
-    query, keys, values = torch.randn(2, heads, wide, dim), torch.randn(2, 1, long, dim), torch.randn(2, 1, long, dim)
-    mask = torch.ones(2, 1, wide, long, dtype=torch.bool)
-    mask[0, :, :, slots:] = False
-    alone = torch.ops.specwire.row_attention(query[:1, :, :tokens], keys[:1, :, :slots], values[:1, :, :slots],
-                                             mask[:1, :, :tokens, :slots], torch.tensor([[tokens, slots]]), 0.0625, True)
-    batched = torch.ops.specwire.row_attention(query, keys, values, mask, torch.tensor([[tokens, slots], [wide, long]]),
-                                               0.0625, True)
-    assert torch.equal(batched[:1, :, :tokens], alone)
-    assert torch.equal(batched[0, :, tokens:], torch.zeros(heads, wide - tokens, dim))  # padding attends nowhere
+    store_k, store_v = torch.randn(9, kv_heads, limit, dim), torch.randn(9, kv_heads, limit, dim)
+
+    def attend(rows: list[int], query: torch.Tensor, extents: list[tuple[int, int]], gathered: bool) -> torch.Tensor:
+        width, span = row_keys(max(slots for _, slots in extents), limit), query.shape[2]
+        keys = store_k[rows][:, :, :width] if gathered else store_k[rows[0] : rows[0] + len(rows), :, :width]
+        values = store_v[rows][:, :, :width] if gathered else store_v[rows[0] : rows[0] + len(rows), :, :width]
+        mask = torch.zeros(len(rows), 1, span, width, dtype=torch.bool)
+        for b, (tokens, slots) in enumerate(extents):
+            for t in range(span):  # causal over the row's slots; padding tokens see slot 0
+                mask[b, 0, t, : slots - tokens + t + 1 if t < tokens else 1] = True
+        return torch.ops.specwire.row_attention(query, keys, values, mask, torch.tensor(extents), 0.125, True)
+
+    for _ in range(40):
+        count = rng.randint(2, 6)
+        tokens = [1 if decode else rng.choice([1, 2, 5, 16]) for _ in range(count)]
+        extents = [(n, rng.randint(n, limit)) for n in tokens]
+        gathered = rng.random() < 0.5
+        rows = rng.sample(range(9), count) if gathered else list(range(count))
+        query = torch.randn(count, heads, max(tokens), dim)
+        together = attend(rows, query, extents, gathered)
+        for b, (n, slots) in enumerate(extents):
+            alone = attend([rows[b]], query[b : b + 1, :, :n], [(n, slots)], gathered=False)
+            assert torch.equal(together[b, :, :n], alone[0]), (extents, b)
+            assert not together[b, :, n:].any()  # padding attends nowhere
 
 
 @pytest.mark.parametrize("out_features", [64, 256, 1024])

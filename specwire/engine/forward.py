@@ -139,21 +139,38 @@ def _attend(
     return out.transpose(1, 2).flatten(2)  # [B, T, Hq·D]
 
 
+# CPU SDPA's result for a row moves with the key length padded around it (its vectorised loops
+# end in a tail); at key lengths in whole ROW_BLOCKs, masked beyond the row's slots, one new token
+# a row gets the same bits in any batch (`tests/test_architectures.py`: equal at multiples of 16
+# on AVX-512, not at 1; 64 leaves room for wider loops).
+ROW_BLOCK = 64
+
+
+def row_keys(slots: int, limit: int) -> int:
+    """Keys a row-invariant attention looks at for a row (or batch) over `slots` slots: whole
+    ROW_BLOCKs, at most `limit` (the cache's length)."""
+    return min(-(-slots // ROW_BLOCK) * ROW_BLOCK, limit)
+
+
 @torch.library.custom_op("specwire::row_attention", mutates_args=())
 def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                   extents: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
-    """SDPA one row at a time over the row's own tokens and slots: [B, Hq, T, D] (zeros at padding).
+    """SDPA whose result for a row depends on that row alone: [B, Hq, T, D] (zeros at padding).
 
-    CPU SDPA's result depends on the padded lengths around a row (a row beside a longer one
-    differs by ~1e-7), and activation-quantised linears turn such differences into other tokens.
-    Per row, a session's arithmetic is the same alone and in any batch. An opaque op to the
-    compiler: the loop reads the extents' values."""
+    Activation-quantised linears turn ~1e-7 differences into other tokens, and CPU SDPA's result
+    for a row moves with the lengths padded around it: with the new tokens (T), and with the keys
+    unless they are whole ROW_BLOCKs (`row_keys`). keys/values/mask span `row_keys` of the
+    longest row. One new token a row (decode steps): one SDPA for the batch. Otherwise each row
+    on its own tokens and its own `row_keys`. An opaque op to the compiler: the loop reads the
+    extents' values."""
+    if query.shape[2] == 1:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
     out = torch.zeros_like(query)
     for b, (tokens, slots) in enumerate(extents.tolist()):
+        width = row_keys(slots, keys.shape[2])
         out[b, :, :tokens] = F.scaled_dot_product_attention(
-            query[b : b + 1, :, :tokens].contiguous(), keys[b : b + 1, :, :slots].contiguous(),
-            values[b : b + 1, :, :slots].contiguous(), attn_mask=mask[b : b + 1, :, :tokens, :slots].contiguous(),
-            scale=scale, enable_gqa=gqa,
+            query[b : b + 1, :, :tokens].contiguous(), keys[b : b + 1, :, :width], values[b : b + 1, :, :width],
+            attn_mask=mask[b : b + 1, :, :tokens, :width], scale=scale, enable_gqa=gqa,
         )[0]
     return out
 
@@ -383,7 +400,9 @@ def greedy_steps(model: LeanModel, cache: SlotCache, batch: ForwardBatch, steps:
     for step in range(steps):
         if step:
             slots, positions = slots + 1, positions + 1
-            key_mask = torch.arange(length + step, device=slots.device) <= slots[:, :, None]  # [B, 1, L + step]
+            # Row-invariant batches span whole blocks with room for every step (`build_batch`).
+            width = length if batch.extents is not None else length + step
+            key_mask = torch.arange(width, device=slots.device) <= slots[:, :, None]  # [B, 1, width]
             extents = None if batch.extents is None else torch.cat([torch.ones_like(slots), slots + 1], dim=1)
             step_batch = ForwardBatch(batch.rows, ids, slots, positions, key_mask, batch.logit_index,
                                       batch.contiguous_from, extents=extents)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from specwire.engine.cache import SlotCache
-from specwire.engine.forward import ForwardBatch, ForwardOutput, LeanModel, greedy_steps
+from specwire.engine.forward import ForwardBatch, ForwardOutput, LeanModel, greedy_steps, row_keys
 from specwire.entropy_metrics import AttentionStats, PositionMetrics
 from specwire.errors import ResourceExhausted
 
@@ -442,11 +442,17 @@ class Scheduler:
         if key in self._warm_steps:
             return True
         if self._background:
-            self._request(jobs, build_batch(jobs, self.device, self.cache.scratch_row, row_invariant=self.row_invariant), steps=True)
+            self._request(jobs, self._build(jobs, steps=FUSED_STEPS), steps=True)
         elif self._compiled_steps is not None:  # compiled in place, as `compile` without background
             self._warm_steps.add(key)
             return True
         return False
+
+    def _build(self, jobs: list[ForwardJob], steps: int = 1, **padding: Any) -> ForwardBatch:
+        """`build_batch` for this cache; row-invariant keys with room for `steps` fused steps."""
+        limit = self.cache.keys[0].shape[2] if self.row_invariant else 0
+        return build_batch(jobs, self.device, self.cache.scratch_row, row_invariant=limit,
+                           steps=steps if self.row_invariant else 1, **padding)
 
     @torch.inference_mode()
     def _forward_steps(self, jobs: list[ForwardJob], steps: Callable[..., Any] | None = None) -> torch.Tensor:
@@ -455,7 +461,7 @@ class Scheduler:
         returns the tokens the forward fed itself."""
         steps = steps or self._compiled_steps
         assert steps is not None
-        batch = build_batch(jobs, self.device, self.cache.scratch_row, row_invariant=self.row_invariant)
+        batch = self._build(jobs, steps=FUSED_STEPS)
         batch.logit_index = logit_index(jobs, 1, self.device)
         batch.dense = False  # guarded on (a mask or none): one graph
         fed, logits = steps(self.model, self.cache, batch, FUSED_STEPS)
@@ -476,8 +482,7 @@ class Scheduler:
         cuda = self.device.type == "cuda"
         compiled = forward is not None and not (metrics and cuda)
         pad = compiled and cuda  # CUDA graphs: few static shapes
-        batch = build_batch(jobs, self.device, self.cache.scratch_row, pad_rows=pad, key_multiple=64 if pad else 1,
-                            row_invariant=self.row_invariant)
+        batch = self._build(jobs, pad_rows=pad, key_multiple=64 if pad else 1)
         batch.logit_index = logit_index(jobs, int(batch.input_ids.shape[1]), self.device, pad)
         if metrics:
             batch.metrics = True
@@ -617,19 +622,21 @@ def bucket(size: int) -> int:
 
 def build_batch(
     jobs: list[ForwardJob], device: torch.device, scratch_row: int, pad_rows: bool = False, key_multiple: int = 1,
-    row_invariant: bool = False,
+    row_invariant: int = 0, steps: int = 1,
 ) -> ForwardBatch:
     """Pad the jobs' rows to one [B, T] batch with per-row slots, positions and key masks.
 
     `pad_rows` rounds B up to a power of two with rows of the scratch row, and `key_multiple`
     rounds the slots looked at (L) up, so compiled code sees few distinct shapes.
-    `row_invariant`: attention per row over its own extent (`ForwardBatch.extents`).
+    `row_invariant` (the cache's length, or 0): attention per row over its own extent
+    (`ForwardBatch.extents`), over keys in whole blocks (`row_keys`). `steps`: fused greedy
+    steps the keys must have room for.
     """
     rows = [row for job in jobs for row in job.rows]
     real = len(rows)  # before padding
     T = max(job.new_tokens for job in jobs)
-    L = max(job.start + job.new_tokens for job in jobs)
-    L = -(-L // key_multiple) * key_multiple
+    L = max(job.start + job.new_tokens for job in jobs) + steps - 1
+    L = row_keys(L, row_invariant) if row_invariant else -(-L // key_multiple) * key_multiple
     B = bucket(len(rows)) if pad_rows else len(rows)
     # Plain Python until the tensors: a decode step is a few dozen µs of small-op overhead otherwise.
     starts = [job.start for job in jobs for _ in job.rows] + [0] * (B - real)  # padding: slot 0
