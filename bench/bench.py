@@ -785,8 +785,10 @@ def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple
 
 
 def wait_compiled(stack: Stack, timeout_s: float) -> ModelInfo:
-    """The target's Info once its forwards run compiled (a service compiles in the background
-    after it is SERVING), or as it is at the timeout; rows measured before would time eager code."""
+    """The target's Info once its forwards run compiled and its background compiler is idle (a
+    service compiles after it is SERVING, and serves slower meanwhile), or as it is at the
+    timeout; rows measured before would time eager code, or code sharing the interpreter with a
+    compiler."""
     import grpc
     from specwire.v1 import model_pb2, model_pb2_grpc
 
@@ -797,7 +799,8 @@ def wait_compiled(stack: Stack, timeout_s: float) -> ModelInfo:
         stub = model_pb2_grpc.ModelServiceStub(channel)
         while True:
             info = info_from_pb(stub.Info(model_pb2.InfoRequest(), timeout=10))
-            if info.compiled or os.environ.get("SPECWIRE_COMPILE") == "off" or time.monotonic() > deadline:
+            if (info.compiled and not info.compiling) or os.environ.get("SPECWIRE_COMPILE") == "off" \
+                    or time.monotonic() > deadline:
                 return info
             time.sleep(1.0)
 

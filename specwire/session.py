@@ -185,6 +185,7 @@ class ModelInfo:
     decode_ms_per_token: float = 0.0
     quantization: str = "none"  # the linear weights: none, int8, int4
     compiled: bool = False  # forwards run compiled code now
+    compiling: bool = False  # the background compiler is at work (serving is slower meanwhile)
 
 
 class BackendSession(Protocol):

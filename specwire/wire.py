@@ -328,6 +328,7 @@ def info_to_pb(info: ModelInfo) -> model_pb2.ModelInfo:
         decode_ms_per_token=info.decode_ms_per_token,
         quantization=info.quantization,
         compiled=info.compiled,
+        compiling=info.compiling,
     )
 
 
@@ -366,6 +367,7 @@ def info_from_pb(message: model_pb2.ModelInfo) -> ModelInfo:
         decode_ms_per_token=message.decode_ms_per_token,
         quantization=message.quantization or "none",
         compiled=message.compiled,
+        compiling=message.compiling,
     )
 
 

@@ -136,6 +136,7 @@ class Engine:
             decode_ms_per_token=self._decode_ms_per_token,
             quantization=self.lm.quantization,
             compiled=self.scheduler is not None and self.scheduler.compiled,
+            compiling=self.scheduler is not None and self.scheduler.compiling,
         )
 
     @property

@@ -117,6 +117,7 @@ class Scheduler:
         self._warm_steps: set[tuple[bool, bool]] = set()  # `steps_key`s of the fused greedy steps
         self._ready = False  # the common shapes are compiled
         self._background = False  # a compile thread takes the shapes serving meets
+        self._idle = False  # that thread waits for a shape
         self._pending: list[Shape] = []
         self._requested: set[Shape] = set()
         self._requests: queue.SimpleQueue[Shape] = queue.SimpleQueue()
@@ -203,12 +204,19 @@ class Scheduler:
             self._request_shape(shape)
         self._pending = []
         while self._background:  # shapes serving met that were not compiled yet
+            self._idle = self._requests.empty()
             shape = self._requests.get()
+            self._idle = False
             try:
                 self._compile_shape(shape)
             except Exception as error:  # that shape stays eager
                 log.warning("torch.compile failed for %s, served eagerly: %s: %s", shape, type(error).__name__, error)
         return True
+
+    @property
+    def compiling(self) -> bool:
+        """The background compiler has shapes to compile (it slows serving meanwhile)."""
+        return self._background and not (self._idle and self._requests.empty())
 
     def _compile_shape(self, shape: Shape) -> None:
         """Run one forward of `shape` through the compiled code on rows no session owns (the
