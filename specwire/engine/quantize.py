@@ -197,8 +197,8 @@ def _fuse_shared_inputs(model: nn.Module) -> int:
     fused = 0
     for parent in model.modules():
         for names in SHARED_INPUT:
-            layers = [getattr(parent, name, None) for name in names]
-            if not all(isinstance(layer, nn.Linear) and layer.bias is None for layer in layers):
+            layers: list[nn.Linear] = [layer for name in names if isinstance(layer := getattr(parent, name, None), nn.Linear)]
+            if len(layers) != len(names) or any(layer.bias is not None for layer in layers):
                 continue
             if len({layer.in_features for layer in layers}) != 1:
                 continue
