@@ -179,11 +179,11 @@ class SharedInputLinear(nn.Module):
     own Int8Linear's bit for bit: the GEMM's integer sums and the per-channel scales are per
     column."""
 
-    def __init__(self, product: _SharedProduct, index: int, linear: Int8Linear) -> None:
+    def __init__(self, product: _SharedProduct, index: int) -> None:
         super().__init__()
         self.index, self.in_features, self.out_features = index, product.linear.in_features, product.sizes[index]
         self.product = product
-        self.fused = linear if index == 0 else None  # registered once, for state_dict and .to()
+        self.fused = product.linear if index == 0 else None  # registered once, for state_dict and .to()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product.take(x, self.index)
@@ -207,7 +207,7 @@ def _fuse_shared_inputs(model: nn.Module) -> int:
             joined.weight = nn.Parameter(weight, requires_grad=False)
             product = _SharedProduct(Int8Linear(joined), [layer.out_features for layer in layers])
             for index, name in enumerate(names):
-                setattr(parent, name, SharedInputLinear(product, index, product.linear))
+                setattr(parent, name, SharedInputLinear(product, index))
             fused += 1
     return fused
 

@@ -98,7 +98,8 @@ class Scheduler:
 
     def __init__(self, model: LeanModel, cache: SlotCache, device: torch.device, row_invariant: bool = False) -> None:
         # Activation-quantised linears turn ~1e-7 differences in attention into other tokens:
-        # with this set, attention runs per row, so batching never changes a session's output.
+        # with this set, attention gives a row the same bits in any batch (`row_attention`), so
+        # batching never changes a session's output.
         self.row_invariant = row_invariant
         self.model = model
         self.cache = cache
@@ -204,7 +205,7 @@ class Scheduler:
             self._request_shape(shape)
         self._pending = []
         while self._background:  # shapes serving met that were not compiled yet
-            self._idle = self._requests.empty()
+            self._idle = True  # `compiling` also asks whether the queue is empty
             shape = self._requests.get()
             self._idle = False
             try:
