@@ -140,9 +140,9 @@ def _attend(
 
 
 # CPU SDPA's result for a row moves with the key length padded around it (its vectorised loops
-# end in a tail); at key lengths in whole ROW_BLOCKs, masked beyond the row's slots, one new token
-# a row gets the same bits in any batch (`tests/test_architectures.py`: equal at multiples of 16
-# on AVX-512, not at 1; 64 leaves room for wider loops).
+# end in a tail) and with the thread that computes it; at key lengths in whole ROW_BLOCKs,
+# masked beyond the row's slots, and on one thread, one new token a row gets the same bits in
+# any batch (`tests/test_architectures.py`).
 ROW_BLOCK = 64
 
 
@@ -159,20 +159,34 @@ def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
     Activation-quantised linears turn ~1e-7 differences into other tokens, and CPU SDPA's result
     for a row moves with the lengths padded around it: with the new tokens (T), and with the keys
-    unless they are whole ROW_BLOCKs (`row_keys`). keys/values/mask span `row_keys` of the
+    unless they are whole ROW_BLOCKs (`row_keys`); and with the thread computing it
+    (`_sdpa_one_thread`). keys/values/mask span `row_keys` of the
     longest row. One new token a row (decode steps): one SDPA for the batch. Otherwise each row
     on its own tokens and its own `row_keys`. An opaque op to the compiler: the loop reads the
     extents' values."""
     if query.shape[2] == 1:
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return _sdpa_one_thread(query, keys, values, mask, scale, gqa)
     out = torch.zeros_like(query)
     for b, (tokens, slots) in enumerate(extents.tolist()):
         width = row_keys(slots, keys.shape[2])
-        out[b, :, :tokens] = F.scaled_dot_product_attention(
+        out[b, :, :tokens] = _sdpa_one_thread(
             query[b : b + 1, :, :tokens].contiguous(), keys[b : b + 1, :, :width], values[b : b + 1, :, :width],
-            attn_mask=mask[b : b + 1, :, :tokens, :width], scale=scale, enable_gqa=gqa,
+            mask[b : b + 1, :, :tokens, :width], scale, gqa,
         )[0]
     return out
+
+
+def _sdpa_one_thread(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     scale: float, gqa: bool) -> torch.Tensor:
+    """SDPA on one thread. Which thread computes a row follows from the batch's size, and the
+    row's bits followed it (torch 2.13, AMD Zen 4: rows changed with the batch at 2 threads and
+    at equal key widths; never on one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @row_attention.register_fake
