@@ -1,12 +1,18 @@
 """Continuous batching: every forward takes whatever the concurrent sessions have ready.
 
 Each session runs on its own thread and hands its forward (a `ForwardJob`: its rows, their new
-tokens, where they start) to the service's `Scheduler`. Whoever finds the model idle runs the
-forward itself, with every job queued by then, so a session alone never waits for a window
-and pays no thread hop; sessions that arrive during a forward are served together by the next
-one. A decode round (k tokens drawn one after another) is one job of k steps: whoever leads
-runs its step in every forward and calls the job's `pick` to choose the next tokens, so the
-session's thread sleeps until the round is done instead of waking for every token.
+tokens, where they start) to the service's `Scheduler`. One thread of the scheduler runs every
+forward, with every job queued by then; sessions that arrive during a forward are served
+together by the next one. A decode round (k tokens drawn one after another) is one job of k
+steps: the forward thread runs its step in every forward and calls the job's `pick` to choose
+the next tokens, so the session's thread sleeps until the round is done instead of waking for
+every token.
+
+One thread, because each thread that runs torch's parallel loops keeps a pool of OpenMP workers
+of its own: with more pools than cores, libgomp's workers stop spinning between loops and sleep
+instead, and every loop pays a wake-up (Gemma-3-270M int8 on 2 cores: a decode step run from a
+second thread took 41–44 ms instead of 30). So the threads that hand jobs in compute on one
+thread, and the background compiler's thread ends when it has nothing to compile.
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ PREFILL_CHUNK = 64
 # Compiled CPU engines run this many greedy decode steps in one call when every job of a
 # forward is a plain greedy round (`ForwardJob.fuse_greedy`) with that many steps left.
 FUSED_STEPS = 4
+# The forward thread exits after this long without a job, and a new one starts with the next.
+IDLE_EXIT_S = 5.0
+_caller = threading.local()  # `single`: this thread computes on one thread
 
 
 @dataclass
@@ -54,7 +63,7 @@ class ForwardJob:
     more: bool = False  # the owner sends its next job right after this one
     # A decode round: up to `steps` forwards. After each, `pick(logits [rows, vocab] of the last
     # token)` returns the rows' next tokens [rows, 1] (forwarded next, as one new token each) or
-    # None to end the round early. It runs on whichever thread leads; the owner is waiting.
+    # None to end the round early. It runs on the scheduler's forward thread; the owner is waiting.
     steps: int = 1
     pick: Callable[[torch.Tensor], torch.Tensor | None] | None = None
     # `pick` takes the argmax of the raw logits (greedy, no penalties, no confidence gate), so
@@ -71,7 +80,7 @@ class ForwardJob:
     metrics: PositionMetrics | None = None
     error: BaseException | None = None
     done: bool = False
-    _wake: threading.Event = field(default_factory=threading.Event)  # done, or told to lead
+    _wake: threading.Event = field(default_factory=threading.Event)  # set when done
 
     @property
     def new_tokens(self) -> int:
@@ -90,8 +99,8 @@ class Scheduler:
     """Runs `ForwardJob`s over one model and one slot cache, batching whatever is queued.
 
     A session with two forwards in one message (scores, then a decode round) comes back with
-    its next job a moment after the first was served. A leader that would start a forward
-    while such a session is still missing waits for it, up to half the last forward's time,
+    its next job a moment after the first was served. The forward thread, about to start a
+    forward while such a session is still missing, waits for it, up to half the last forward's time,
     so the streams stay in step instead of splitting into ever smaller batches. Sessions gone
     over the wire are not waited for. A session alone never waits.
     """
@@ -107,7 +116,8 @@ class Scheduler:
         self._mutex = threading.Lock()
         self._arrived = threading.Condition(self._mutex)
         self._queue: list[ForwardJob] = []
-        self._busy = False
+        self._worker: threading.Thread | None = None  # runs every forward (`_run_forwards`)
+        self._threads = torch.get_num_threads()  # the forward thread's, as set where the engine is made
         self._awaited: set[int] = set()  # ids of owners served with `more` that have not come back
         self._last_forward_s = 0.0
         self.stats = SchedulerStats()
@@ -118,7 +128,7 @@ class Scheduler:
         self._warm_steps: set[tuple[bool, bool]] = set()  # `steps_key`s of the fused greedy steps
         self._ready = False  # the common shapes are compiled
         self._background = False  # a compile thread takes the shapes serving meets
-        self._idle = False  # that thread waits for a shape
+        self._compiler: threading.Thread | None = None  # that thread, while it has shapes to compile
         self._pending: list[Shape] = []
         self._requested: set[Shape] = set()
         self._requests: queue.SimpleQueue[Shape] = queue.SimpleQueue()
@@ -164,9 +174,13 @@ class Scheduler:
         if not background:
             return self._compile_pending(forward, steps, on_ready)
         self._background = True
-        threading.Thread(target=self._compile_pending, args=(forward, steps, on_ready), name="specwire-compile",
-                         daemon=True).start()
+        self._start_compiler(self._compile_pending, forward, steps, on_ready)
         return True
+
+    def _start_compiler(self, work: Callable[..., Any], *args: Any) -> None:
+        with self._mutex:
+            self._compiler = threading.Thread(target=work, args=args, name="specwire-compile", daemon=True)
+            self._compiler.start()
 
     def _common_shapes(self, cpu: bool) -> list[Shape]:
         """The shapes compiled first, most used first. CPU: one row at a decode step, one session's
@@ -194,6 +208,7 @@ class Scheduler:
                 self._compile_shape(self._pending.pop(0))
         except Exception as error:  # any compiler failure: serve eagerly
             self._compiled = self._compiled_steps = None
+            self._compiler = None
             log.warning("torch.compile failed, serving eagerly: %s: %s", type(error).__name__, error)
             return False
         self.compile_s = time.perf_counter() - started
@@ -204,20 +219,30 @@ class Scheduler:
         for shape in self._pending:
             self._request_shape(shape)
         self._pending = []
-        while self._background:  # shapes serving met that were not compiled yet
-            self._idle = True  # `compiling` also asks whether the queue is empty
+        if self._background:
+            self._compile_requested()
+        return True
+
+    def _compile_requested(self) -> None:
+        """Compile the shapes serving met that were not compiled yet, then end the thread: its
+        OpenMP workers would otherwise slow the forward thread's (module docstring)."""
+        _allow_recompiles()  # dynamo's config is per thread: this one compiles
+        torch.set_num_threads(self._threads)
+        while True:
+            with self._mutex:
+                if self._requests.empty():
+                    self._compiler = None
+                    return
             shape = self._requests.get()
-            self._idle = False
             try:
                 self._compile_shape(shape)
             except Exception as error:  # that shape stays eager
                 log.warning("torch.compile failed for %s, served eagerly: %s: %s", shape, type(error).__name__, error)
-        return True
 
     @property
     def compiling(self) -> bool:
         """The background compiler has shapes to compile (it slows serving meanwhile)."""
-        return self._background and not (self._idle and self._requests.empty())
+        return self._compiler is not None
 
     def _compile_shape(self, shape: Shape) -> None:
         """Run one forward of `shape` through the compiled code on rows no session owns (the
@@ -260,7 +285,10 @@ class Scheduler:
             if shape in self._requested or not self._background:
                 return
             self._requested.add(shape)
-        self._requests.put(shape)
+            self._requests.put(shape)
+            start = self._ready and self._compiler is None  # before `compiled`, the first thread takes it
+        if start:
+            self._start_compiler(self._compile_requested)
 
     @property
     def compiled(self) -> bool:
@@ -302,7 +330,11 @@ class Scheduler:
             self._arrived.notify_all()
 
     def run(self, job: ForwardJob) -> ForwardJob:
-        """Queue `job` and return once its results are in (running forwards while leading)."""
+        """Queue `job` and return once the forward thread has its results in. The calling thread
+        computes on one thread from then on (module docstring)."""
+        if not getattr(_caller, "single", False):
+            torch.set_num_threads(1)
+            _caller.single = True
         if job.new_tokens > PREFILL_CHUNK and job.tree_mask is None and job.positions is None:
             if job.pick is None:
                 return self._run_chunked(job)
@@ -314,19 +346,11 @@ class Scheduler:
             self._queue.append(job)
             if self._awaited:
                 self._awaited.discard(id(job.owner))
-                self._arrived.notify_all()
-            lead = not self._busy
-            self._busy = True
-        while True:
-            if not lead:
-                job._wake.wait()
-                job._wake.clear()
-                if job.done:
-                    break
-            self._lead_forwards(job)
-            if job.done:
-                break
-            lead = True
+            self._arrived.notify_all()
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run_forwards, name="specwire-forward", daemon=True)
+                self._worker.start()
+        job._wake.wait()
         if job.error is not None:
             raise job.error
         return job
@@ -356,27 +380,33 @@ class Scheduler:
         job.done = True
         return job
 
-    def _lead_forwards(self, mine: ForwardJob) -> None:
-        """Run forwards over the queue until `mine` is done; then hand the lead on or go idle."""
+    def _run_forwards(self) -> None:
+        """The forward thread: run forwards over the queue while there are jobs; exit after
+        IDLE_EXIT_S without any (its OpenMP workers go with it)."""
+        torch.set_num_threads(self._threads)
         while True:
             with self._mutex:
+                if not self._arrived.wait_for(lambda: bool(self._queue), timeout=IDLE_EXIT_S):
+                    self._worker = None
+                    return
                 if self._awaited:
                     self._arrived.wait_for(lambda: not self._awaited, timeout=self._last_forward_s / 2)
                     self._awaited.clear()  # the late ones join a later forward
                 batch, self._queue = self._queue, []
             # A job wider than PREFILL_CHUNK (a wide tree) runs alone: nothing pads past SLACK.
             wide = [job for job in batch if job.new_tokens > PREFILL_CHUNK]
-            for group in [[job] for job in wide] + [[job for job in batch if job.new_tokens <= PREFILL_CHUNK]]:
-                if group:
-                    self._execute(group)
+            try:
+                for group in [[job] for job in wide] + [[job for job in batch if job.new_tokens <= PREFILL_CHUNK]]:
+                    if group:
+                        self._execute(group)
+            except BaseException as error:  # a bug outside the forward: its jobs fail, serving goes on
+                log.exception("forward thread")
+                for job in batch:
+                    if not job.done:
+                        job.error, job.done = error, True
+                        job._wake.set()
             with self._mutex:
                 self._queue = [job for job in batch if not job.done] + self._queue  # rounds going on
-                if not self._queue:
-                    self._busy = False
-                    return
-                if mine.done:
-                    self._queue[0]._wake.set()  # its thread leads from here
-                    return
 
     def _execute(self, jobs: list[ForwardJob]) -> None:
         started = time.perf_counter()
