@@ -172,14 +172,22 @@ class Scheduler:
             return False
         self._pending = [shape for shape in self._common_shapes(not cuda) if steps is not None or not shape.steps]
         if not background:
+            _allow_recompiles()  # dynamo's config is per thread: this one compiles
             return self._compile_pending(forward, steps, on_ready)
         self._background = True
         self._start_compiler(self._compile_pending, forward, steps, on_ready)
         return True
 
     def _start_compiler(self, work: Callable[..., Any], *args: Any) -> None:
+        """`work` on a compile thread of its own, with the forward thread's torch threads (inductor
+        generates its kernels for the compiling thread's count) and dynamo's recompile limit."""
+        def compile_thread() -> None:
+            _allow_recompiles()  # dynamo's config is per thread
+            torch.set_num_threads(self._threads)
+            work(*args)
+
         with self._mutex:
-            self._compiler = threading.Thread(target=work, args=args, name="specwire-compile", daemon=True)
+            self._compiler = threading.Thread(target=compile_thread, name="specwire-compile", daemon=True)
             self._compiler.start()
 
     def _common_shapes(self, cpu: bool) -> list[Shape]:
@@ -200,7 +208,6 @@ class Scheduler:
                          on_ready: Callable[[], None] | None) -> bool:
         """Compile the common shapes (`compiled` then), then in the background entropix's and
         whatever shape serving meets; without a background thread, those compile when met."""
-        _allow_recompiles()  # dynamo's config is per thread: this one compiles
         started = time.perf_counter()
         self._compiled, self._compiled_steps = forward, steps  # used for the warm keys alone
         try:
@@ -226,8 +233,6 @@ class Scheduler:
     def _compile_requested(self) -> None:
         """Compile the shapes serving met that were not compiled yet, then end the thread: its
         OpenMP workers would otherwise slow the forward thread's (module docstring)."""
-        _allow_recompiles()  # dynamo's config is per thread: this one compiles
-        torch.set_num_threads(self._threads)
         while True:
             with self._mutex:
                 if self._requests.empty():
