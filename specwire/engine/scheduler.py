@@ -12,7 +12,9 @@ One thread, because each thread that runs torch's parallel loops keeps a pool of
 of its own: with more pools than cores, libgomp's workers stop spinning between loops and sleep
 instead, and every loop pays a wake-up (Gemma-3-270M int8 on 2 cores: a decode step run from a
 second thread took 41–44 ms instead of 30). So the threads that hand jobs in compute on one
-thread, and the background compiler's thread ends when it has nothing to compile.
+thread (`compute_on`, which also keeps torch from raising the count again at the thread's first
+parallel loop: one such pool made the compiled decode step 31–34 ms instead of 20–22), and the
+background compiler's thread ends when it has nothing to compile.
 """
 
 from __future__ import annotations
@@ -183,7 +185,7 @@ class Scheduler:
         generates its kernels for the compiling thread's count) and dynamo's recompile limit."""
         def compile_thread() -> None:
             _allow_recompiles()  # dynamo's config is per thread
-            torch.set_num_threads(self._threads)
+            compute_on(self._threads)
             work(*args)
 
         with self._mutex:
@@ -223,6 +225,7 @@ class Scheduler:
         log.info("compiled the forward (%s, %d shapes) in %.1f s", self.device.type, len(self._warm), self.compile_s)
         if on_ready is not None:
             on_ready()
+            compute_on(self._threads)  # `on_ready`'s jobs set this thread to one: compile for the forward thread's
         for shape in self._pending:
             self._request_shape(shape)
         self._pending = []
@@ -338,7 +341,7 @@ class Scheduler:
         """Queue `job` and return once the forward thread has its results in. The calling thread
         computes on one thread from then on (module docstring)."""
         if not getattr(_caller, "single", False):
-            torch.set_num_threads(1)
+            compute_on(1)
             _caller.single = True
         if job.new_tokens > PREFILL_CHUNK and job.tree_mask is None and job.positions is None:
             if job.pick is None:
@@ -388,7 +391,7 @@ class Scheduler:
     def _run_forwards(self) -> None:
         """The forward thread: run forwards over the queue while there are jobs; exit after
         IDLE_EXIT_S without any (its OpenMP workers go with it)."""
-        torch.set_num_threads(self._threads)
+        compute_on(self._threads)
         while True:
             with self._mutex:
                 if not self._arrived.wait_for(lambda: bool(self._queue), timeout=IDLE_EXIT_S):
@@ -585,6 +588,14 @@ class Shape:
     keep: int
     metrics: bool = False
     steps: bool = False
+
+
+def compute_on(threads: int) -> None:
+    """This thread's parallel loops use `threads` threads. torch sets a thread's count at its
+    first parallel loop to the count any thread set last, undoing a count set before then
+    (torch 2.13): `get_num_threads` has that first-time set-up happen now."""
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
 
 
 def _allow_recompiles() -> None:
