@@ -747,7 +747,12 @@ def _cpu_model() -> str:
 
 def model_label(path: str, demo_dir: Path) -> str:
     """The demo's own models by name, others as given: a report names no directory of the machine that ran it."""
-    return "the demo pair's " + demo_dir.name if Path(path).resolve() == demo_dir.resolve() else path
+    return "the demo pair's " + demo_dir.name if Path(path).resolve() == demo_dir.resolve() else home_as_tilde(path)
+
+
+def home_as_tilde(text: str) -> str:
+    """`text` with the home directory written as ~, as a report names no directory of its machine."""
+    return text.replace(str(Path.home()) + os.sep, "~" + os.sep)
 
 
 def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple[dict[str, Stack], dict[str, str]]:
@@ -907,7 +912,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
                 )
         metadata: dict[str, Any] = {
             "schema": SCHEMA,
-            "command": config.command,
+            "command": home_as_tilde(config.command) if config.command else config.command,
             "date": started_at.isoformat(timespec="seconds"),
             "target_model": model_label(config.target_model, demo_target_dir()),
             "draft_model": model_label(config.draft_model, demo_draft_dir()),
@@ -928,7 +933,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             "target_quantization": target_info.quantization if target_info else None,
             "target_compiled": target_info.compiled if target_info else None,
             "target_threads": config.target_threads or os.cpu_count(),
-            "llamacpp_gguf": str(llama.gguf) if llama is not None else None,
+            "llamacpp_gguf": home_as_tilde(str(llama.gguf)) if llama is not None else None,
             "seed": config.seed,
             "row_order_per_repeat": order_log,
             "timing": "wall time around each call, summed over the prompts of a repeat; medians and min/max over repeats",

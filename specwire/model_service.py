@@ -21,6 +21,7 @@ import grpc
 from opentelemetry.trace import Span, SpanKind
 
 from specwire import telemetry, wire
+from specwire.engine.scheduler import compute_on
 from specwire.errors import InvalidArgument, StatusError, capped
 from specwire.metrics import ModelServiceMetrics
 from specwire.session import Backend, BackendSession, OpenRequest, ScoreKind, StepRequest
@@ -89,7 +90,10 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         self.max_sessions = max_sessions
         self.active_sessions = 0
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
-        self.session_executor = ThreadPoolExecutor(max_workers=max_sessions, thread_name_prefix="session")
+        # A batched backend's forward thread computes; a session thread's own parallel loops would
+        # give it an OpenMP pool of its own, which slows that thread's (engine/scheduler.py).
+        self.session_executor = ThreadPoolExecutor(max_workers=max_sessions, thread_name_prefix="session",
+                                                   initializer=compute_on, initargs=(1,))
         self.role = role or (backend.info().role if backend is not None else "model")
         self.tracing = tracing
         self.metrics = metrics
