@@ -378,3 +378,38 @@ def test_compiled_forward_serves_concurrent_sessions_like_the_eager_one(llama_ta
     assert pair == [greedy(eager, 1), greedy(eager, 2)]
     assert fused_calls >= 5  # the lone session's rounds alone make 5
     assert compiled.cache.usage().rows_in_use == 0
+
+
+def test_a_thread_set_to_one_torch_thread_stays_there_when_another_sets_more() -> None:
+    """torch sets a thread's count at its first parallel loop to the count set last by any
+    thread; `compute_on` must hold against that, or the thread grows an OpenMP pool of its own."""
+    import threading
+
+    from specwire.engine.scheduler import compute_on
+
+    before = torch.get_num_threads()
+    counts: dict[str, int] = {}
+    ready, other_done = threading.Event(), threading.Event()
+
+    def session_thread() -> None:
+        compute_on(1)
+        ready.set()
+        other_done.wait()
+        torch.randn(1 << 20).mul(2).sum()  # its first parallel loop
+        counts["session"] = torch.get_num_threads()
+
+    def forward_thread() -> None:
+        ready.wait()
+        compute_on(2)
+        counts["forward"] = torch.get_num_threads()
+        other_done.set()
+
+    threads = [threading.Thread(target=session_thread), threading.Thread(target=forward_thread)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        torch.set_num_threads(before)
+    assert counts == {"session": 1, "forward": 2}
