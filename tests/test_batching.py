@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +21,7 @@ from specwire.orchestrator.generation import Decoder
 from specwire.orchestrator.models import LocalModel
 
 from specwire.engine import CausalLM, Engine, EngineLimits, SlotKV
-from specwire.engine.scheduler import ForwardJob, score_selection
+from specwire.engine.scheduler import ForwardJob, compute_on, score_selection
 from specwire.entropy_metrics import PositionMetrics, token_entropy
 from specwire.errors import ResourceExhausted
 from specwire.processing import ProcessingConfig
@@ -383,10 +384,6 @@ def test_compiled_forward_serves_concurrent_sessions_like_the_eager_one(llama_ta
 def test_a_thread_set_to_one_torch_thread_stays_there_when_another_sets_more() -> None:
     """torch sets a thread's count at its first parallel loop to the count set last by any
     thread; `compute_on` must hold against that, or the thread grows an OpenMP pool of its own."""
-    import threading
-
-    from specwire.engine.scheduler import compute_on
-
     before = torch.get_num_threads()
     counts: dict[str, int] = {}
     ready, other_done = threading.Event(), threading.Event()
