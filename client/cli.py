@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shlex
 import signal
 import sys
@@ -662,10 +661,6 @@ COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # Draft and target often share a CPU box: OpenMP threads that spin after each forward pass
-    # steal the cores the other service is computing on (measured: 60× slower steps on 2 cores).
-    # Must be set before torch loads OpenMP; an explicit setting wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.command_line = shlex.join(["specwire", *argv])  # recorded with measurements (`bench`)

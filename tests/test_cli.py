@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -99,3 +100,26 @@ def test_generate_error_prints_status_and_message_without_traceback(llama_stack:
 def test_unreachable_orchestrator_is_unavailable() -> None:
     run = specwire("generate", "--address", "127.0.0.1:1", "--prompt", "x", "--timeout", "10")
     assert run.returncode != 0 and run.stderr.startswith("UNAVAILABLE") and "Traceback" not in run.stderr
+
+
+def test_the_command_sets_short_openmp_waits_before_torch_loads_unless_the_environment_chooses() -> None:
+    """libgomp reads its wait settings once, when torch loads it: `run` must set them first."""
+    code = (
+        "import os, sys\n"
+        "from specwire.__main__ import OPENMP_SPINS, short_openmp_waits\n"
+        "assert 'torch' not in sys.modules\n"
+        "short_openmp_waits(os.environ)\n"
+        "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'), OPENMP_SPINS)\n"
+    )
+    chosen = {"": None, "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "5"}
+    outputs = {}
+    for name, value in chosen.items():
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+        if name:
+            env[name] = str(value)
+        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        outputs[name] = run.stdout.split()
+    assert outputs[""] == ["10000", "None", "10000"]
+    assert outputs["OMP_WAIT_POLICY"] == ["None", "PASSIVE", "10000"]
+    assert outputs["GOMP_SPINCOUNT"] == ["5", "None", "10000"]
