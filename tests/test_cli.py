@@ -111,13 +111,12 @@ def test_the_command_sets_short_openmp_waits_before_torch_loads_unless_the_envir
         "short_openmp_waits(os.environ)\n"
         "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'), OPENMP_SPINS)\n"
     )
-    chosen = {"": None, "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "5"}
+    chosen = {"": {}, "OMP_WAIT_POLICY": {"OMP_WAIT_POLICY": "PASSIVE"}, "GOMP_SPINCOUNT": {"GOMP_SPINCOUNT": "5"}}
+    unset = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     outputs = {}
-    for name, value in chosen.items():
-        env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-        if name:
-            env[name] = str(value)
-        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    for name, setting in chosen.items():
+        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=unset | setting, capture_output=True, text=True,
+                             timeout=60)
         assert run.returncode == 0, run.stderr
         outputs[name] = run.stdout.split()
     assert outputs[""] == ["10000", "None", "10000"]
