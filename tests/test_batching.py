@@ -260,6 +260,20 @@ def test_forward_metrics_are_computed_for_the_asking_rows_only(llama_target_dir:
         torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-5)
 
 
+def test_the_cache_takes_the_rows_a_tenth_of_free_memory_holds_besides_its_scratch_row(
+    llama_target_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row costs its own keys and values, not two rows' (Gemma-3-270M on 20 GiB free: 12 rows, not 6)."""
+    from specwire.engine import cache_size, core
+
+    lean = engine(llama_target_dir, max_batch_rows=1, max_cache_len=64)
+    assert lean.cache is not None
+    per_row = lean.cache.shape.bytes_per_row
+    assert lean.cache.shape.bytes == 2 * per_row  # its one row and the scratch row
+    monkeypatch.setattr(core, "_available_memory", lambda device: 10 * 9 * per_row)
+    assert cache_size(lean.scheduler.model, lean.lm, EngineLimits(max_cache_len=64)) == (8, 64)
+
+
 def test_cache_use_is_reported_in_info_and_metrics(llama_target_dir: Path) -> None:
     from specwire import wire
     from specwire.metrics import ModelServiceMetrics

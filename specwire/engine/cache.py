@@ -41,8 +41,13 @@ class CacheShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
     @property
+    def bytes_per_row(self) -> int:
+        return self.bytes_per_token * (self.max_len + SLACK)
+
+    @property
     def bytes(self) -> int:
-        return self.bytes_per_token * (self.rows + 1) * (self.max_len + SLACK)
+        """All rows and the scratch row."""
+        return self.bytes_per_row * (self.rows + 1)
 
 
 class SlotCache:

@@ -74,8 +74,8 @@ def cache_size(lean: LeanModel, lm: CausalLM, limits: EngineLimits) -> tuple[int
     if limits.max_batch_rows:
         return limits.max_batch_rows, max_len
     share, most = (2, 256) if lm.device.type == "cuda" else (10, 32)
-    per_row = lean.cache_shape(1, max_len).bytes
-    return max(1, min(most, _available_memory(lm.device) // share // per_row)), max_len
+    per_row = lean.cache_shape(1, max_len).bytes_per_row
+    return max(1, min(most, _available_memory(lm.device) // share // per_row - 1)), max_len  # − the scratch row
 
 
 class Engine:
