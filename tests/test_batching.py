@@ -320,6 +320,15 @@ def test_compiled_forward_serves_concurrent_sessions_like_the_eager_one(llama_ta
     reductions are not bit-identical), both while the shapes are being compiled (each forward
     eager or compiled as its shape is) and once they all are."""
     compiled = engine(llama_target_dir, max_batch_rows=8, max_cache_len=96, compile="on", compile_in_background=True)
+    others_compiling: list[list[str]] = []  # when the compiled costs are timed
+    remeasure = compiled._remeasure
+
+    def timed_once_the_compiler_is_gone() -> None:
+        here = threading.current_thread()
+        others_compiling.append([t.name for t in threading.enumerate() if t.name == "specwire-compile" and t is not here])
+        remeasure()
+
+    compiled._remeasure = timed_once_the_compiler_is_gone  # type: ignore[method-assign]
     compiled.warmup()  # then it starts compiling, as a service does
     eager = engine(llama_target_dir, max_batch_rows=8, max_cache_len=96, compile="off")
     assert compiled.scheduler is not None
@@ -362,6 +371,10 @@ def test_compiled_forward_serves_concurrent_sessions_like_the_eager_one(llama_ta
         while not (scheduler.compiled and scheduler._requests.empty()) and time.monotonic() < deadline:
             time.sleep(1.0)
         assert scheduler.compiled and compiled.info().compiled
+    while scheduler.compiling and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # Info's costs are the compiled ones, timed with no compile thread (and its OpenMP pool) alive.
+    assert others_compiling == [[]] and not scheduler.compiling and compiled.info().forward_costs
     assert compiled.cache is not None and compiled.cache.usage().rows_in_use == 0
 
     # Plain greedy rounds run FUSED_STEPS steps per compiled call (alone, and two sessions

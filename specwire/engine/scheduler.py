@@ -131,6 +131,7 @@ class Scheduler:
         self._ready = False  # the common shapes are compiled
         self._background = False  # a compile thread takes the shapes serving meets
         self._compiler: threading.Thread | None = None  # that thread, while it has shapes to compile
+        self._on_ready: Callable[[], None] | None = None  # run once the compiler is idle and gone
         self._pending: list[Shape] = []
         self._requested: set[Shape] = set()
         self._requests: queue.SimpleQueue[Shape] = queue.SimpleQueue()
@@ -140,7 +141,8 @@ class Scheduler:
         """Run forwards through `torch.compile`, shape by shape as each is compiled. On failure
         log why and stay eager. `background`: serve eagerly meanwhile and compile on a thread of
         its own (a service is SERVING in seconds, and each shape turns fast once compiled);
-        `on_ready` runs there once the common shapes are (`compiled`). `short_steps`: the
+        `on_ready` runs once the compiler is idle, on a thread of its own (`_when_gone`); in the
+        foreground, once the common shapes are compiled (`compiled`). `short_steps`: the
         model's decode step is short enough for a call's fixed cost to matter, so compile the
         fused greedy steps (`greedy_steps`) and a C++ kernel wrapper; both cut that cost, and
         both take minutes more to compile for a long model. Returns False when compilation
@@ -223,14 +225,15 @@ class Scheduler:
         self.compile_s = time.perf_counter() - started
         self._ready = True
         log.info("compiled the forward (%s, %d shapes) in %.1f s", self.device.type, len(self._warm), self.compile_s)
-        if on_ready is not None:
-            on_ready()
-            compute_on(self._threads)  # `on_ready`'s jobs set this thread to one: compile for the forward thread's
         for shape in self._pending:
             self._request_shape(shape)
         self._pending = []
-        if self._background:
-            self._compile_requested()
+        if not self._background:
+            if on_ready is not None:
+                on_ready()
+            return True
+        self._on_ready = on_ready
+        self._compile_requested()
         return True
 
     def _compile_requested(self) -> None:
@@ -239,13 +242,28 @@ class Scheduler:
         while True:
             with self._mutex:
                 if self._requests.empty():
-                    self._compiler = None
+                    on_ready, self._on_ready = self._on_ready, None
+                    self._compiler = None if on_ready is None else threading.Thread(
+                        target=self._when_gone, args=(threading.current_thread(), on_ready),
+                        name="specwire-compile", daemon=True)
+                    if self._compiler is not None:
+                        self._compiler.start()
                     return
             shape = self._requests.get()
             try:
                 self._compile_shape(shape)
             except Exception as error:  # that shape stays eager
                 log.warning("torch.compile failed for %s, served eagerly: %s: %s", shape, type(error).__name__, error)
+
+    def _when_gone(self, compiler: threading.Thread, on_ready: Callable[[], None]) -> None:
+        """`on_ready` once `compiler` has ended, then the shapes requested meanwhile. Timing on
+        the compile thread would count its OpenMP pool's toll on the forward thread's (Gemma-3-270M
+        int8: a decode step 33 ms there, 20.6 ms after it ended); `compiling` holds until done."""
+        compiler.join()
+        on_ready()
+        _allow_recompiles()
+        compute_on(self._threads)  # `on_ready`'s jobs set this thread to one: compile for the forward thread's
+        self._compile_requested()
 
     @property
     def compiling(self) -> bool:
