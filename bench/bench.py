@@ -1016,7 +1016,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--concurrency", help="comma-separated stream counts (e.g. 1,2,4,8): concurrent generations per strategy"
     )
-    parser.add_argument("--medusa", help="the target's Medusa heads (default: the demo target's, with the demo target)")
+    parser.add_argument("--medusa", help="the target's Medusa heads (default: the demo target's with the demo target, "
+                        "else DIR/medusa where `specwire pair` built them)")
     parser.add_argument("--medusa-choices", help="the medusa rows' tree: a JSON file of top-k paths (default: built in)")
     parser.add_argument(
         "--rtt-ms", type=float, default=0.0, help="route the specwire rows through the delay proxy: round trip in ms"
@@ -1066,10 +1067,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def _default_medusa(target: str) -> str | None:
-    """The demo target's shipped heads, when the target is the demo target and they exist."""
-    heads = demo_medusa_dir()
-    same = Path(target).resolve() == demo_target_dir().resolve()
-    return str(heads) if same and heads.is_dir() else None
+    """The demo target's shipped heads with the demo target; else a target's own `specwire pair`
+    heads (DIR/medusa) if it has them."""
+    demo = Path(target).resolve() == demo_target_dir().resolve()
+    heads = demo_medusa_dir() if demo else Path(target) / "medusa"
+    return str(heads) if (heads / "medusa_config.json").is_file() else None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -450,3 +450,19 @@ def test_llamacpp_row_runs_the_targets_gguf(models_dir: Path, tokenizer: Any) ->
     assert rows["llamacpp"]["error"] is None and rows["llamacpp"]["new_tokens_per_repeat"] == 8
     assert rows["llamacpp"]["ratio_vs_hf_target"] > 0 and report["metadata"]["llamacpp_gguf"] == str(gguf)
     assert rows["llamacpp"]["matches_hf_target"] == 1.0
+
+
+def test_a_targets_own_pair_supplies_the_bench_draft_and_medusa_heads(tmp_path: Path) -> None:
+    """`specwire pair` leaves DIR/draft and DIR/medusa: the bench takes them without flags."""
+    from specwire.demo import demo_medusa_dir, demo_target_dir
+
+    target = tmp_path / "target"
+    (target / "draft").mkdir(parents=True)
+    (target / "medusa").mkdir()
+    assert bench._default_medusa(str(target)) is None  # no heads saved there
+    assert bench.default_models(str(target), None)[1] != str(target / "draft")
+    (target / "draft" / "config.json").write_text("{}")
+    (target / "medusa" / "medusa_config.json").write_text("{}")
+    assert bench.default_models(str(target), None) == (str(target), str(target / "draft"))
+    assert bench._default_medusa(str(target)) == str(target / "medusa")
+    assert bench._default_medusa(str(demo_target_dir())) == str(demo_medusa_dir())
