@@ -274,37 +274,6 @@ def test_the_cache_takes_the_rows_a_tenth_of_free_memory_holds_besides_its_scrat
     assert cache_size(lean.scheduler.model, lean.lm, EngineLimits(max_cache_len=64)) == (8, 64)
 
 
-def test_forward_costs_timed_while_another_process_had_the_cores_are_timed_again(
-    llama_target_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Info's costs are those of a timing during which the process had at least half the CPU
-    its forward thread's threads use: a timing spent waiting for the cores is done again."""
-    from specwire.engine import core
-
-    lean = engine(llama_target_dir, max_batch_rows=2, max_cache_len=64)
-    assert lean.scheduler is not None
-    lean.warmup()
-    monkeypatch.setattr(lean.scheduler, "_threads", 1)
-    monkeypatch.setattr(core, "REMEASURE_WAIT_S", 0.0)
-    timings = iter([("waiting", [(1, 900.0)], 90.0), ("computing", [(1, 2.0)], 0.5)])
-    calls: list[str] = []
-
-    def timing(*_: Any, **__: Any) -> tuple[list[tuple[int, float]], float]:
-        how, costs, decode = next(timings)
-        calls.append(how)
-        until = time.perf_counter() + 0.05
-        if how == "waiting":
-            time.sleep(0.05)  # wall time without CPU time: the cores were someone else's
-        while time.perf_counter() < until:
-            pass
-        return costs, decode
-
-    monkeypatch.setattr(lean, "measure_costs", timing)
-    lean._remeasure()
-    assert calls == ["waiting", "computing"]
-    assert lean.info().forward_costs == [(1, 2.0)] and lean.info().decode_ms_per_token == 0.5
-
-
 def test_cache_use_is_reported_in_info_and_metrics(llama_target_dir: Path) -> None:
     from specwire import wire
     from specwire.metrics import ModelServiceMetrics

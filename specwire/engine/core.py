@@ -39,11 +39,6 @@ COST_POSITIONS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 # of them fused, took 35 minutes with the C++ wrapper; one shape compiles in under a minute without).
 FUSE_BELOW_MS = 5.0
 DECODE_TOKENS = 8
-# Re-timing the compiled forwards while another process shares the cores (`Engine._remeasure`).
-REMEASURE_TRIES = 6
-REMEASURE_WAIT_S = 10.0
-
-
 @dataclass(frozen=True)
 class EngineLimits:
     """The serving engine's sizes (`--max-batch-rows`, `--max-cache-len`, ...); 0 = derived."""
@@ -176,22 +171,9 @@ class Engine:
             self.scheduler.compile(background=True, on_ready=self._remeasure, short_steps=short)
 
     def _remeasure(self) -> None:
-        """Compiled forwards cost less than the eager ones `warmup` timed: `Info` reports these.
-        Timed again, up to REMEASURE_TRIES times REMEASURE_WAIT_S apart, while the process got
-        under half the CPU time its forward thread's threads use: another process was computing
-        on the same cores (a draft service still compiling beside it inflated Gemma-3-270M's
-        curve ~9×), and its share would read as the forwards' cost."""
-        if not self._forward_costs or self.scheduler is None:
-            return
-        for attempt in range(1, REMEASURE_TRIES + 1):
-            wall, cpu = time.perf_counter(), time.process_time()
+        """Compiled forwards cost less than the eager ones `warmup` timed: `Info` reports these."""
+        if self._forward_costs:
             self._forward_costs, self._decode_ms_per_token = self.measure_costs()
-            share = (time.process_time() - cpu) / ((time.perf_counter() - wall) * self.scheduler.threads)
-            if share >= 0.5 or attempt == REMEASURE_TRIES:
-                return
-            log.info("%s: forward costs timed with %.0f%% of the CPU, timed again in %.0f s",
-                     self.role, 100 * share, REMEASURE_WAIT_S)
-            time.sleep(REMEASURE_WAIT_S)
 
     def measure_costs(
         self, repeats: int = 7, positions: Sequence[int] = COST_POSITIONS, decode_tokens: int = DECODE_TOKENS

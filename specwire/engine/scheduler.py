@@ -317,11 +317,6 @@ class Scheduler:
             self._start_compiler(self._compile_requested)
 
     @property
-    def threads(self) -> int:
-        """Torch threads of the forward thread."""
-        return self._threads
-
-    @property
     def compiled(self) -> bool:
         """Forwards run compiled code (after `compile`, once its common shapes are)."""
         return self._ready
