@@ -38,11 +38,14 @@ from typing import Any
 import torch
 from specwire.bench.bench import machine_info, model_label
 from specwire.bench.report import emit
+from specwire.bench.shapes import SHAPES, random_lm
 from specwire.orchestrator.speedup import expected_tokens_per_round, forward_cost_at
 from specwire.target_service.tune_medusa_tree import measure as tune
 
 from specwire.demo import demo_draft_dir, demo_medusa_dir, demo_target_dir
 from specwire.engine import CausalLM, Engine, EngineLimits
+from specwire.engine.model import resolve_device, resolve_dtype
+from specwire.engine.scheduler import synchronize
 from specwire.medusa import MedusaHeads
 
 SCHEMA = "specwire.bounds/1"
@@ -53,24 +56,26 @@ MAX_GAMMA = 16
 STREAMS = 8
 MATMUL_SHAPES = ((256, 4096), (1024, 4096), (2048, 8192))  # (in, out) features
 MATMUL_ROWS = (1, 2, 5, 8, 16)
+CPU = torch.device("cpu")
 
 
-def matmul_scaling(repeats: int) -> list[dict[str, Any]]:
+def matmul_scaling(repeats: int, device: torch.device = CPU, dtype: torch.dtype = torch.float32) -> list[dict[str, Any]]:
     """Median µs of x[rows, in] @ W[out, in]ᵀ, and each as a multiple of one row's."""
     report = []
     for features_in, features_out in MATMUL_SHAPES:
-        weight = torch.randn(features_out, features_in)
+        weight = torch.randn(features_out, features_in, device=device, dtype=dtype)
         times = {}
         for rows in MATMUL_ROWS:
-            x = torch.randn(rows, features_in)
+            x = torch.randn(rows, features_in, device=device, dtype=dtype)
             samples = []
             for _ in range(repeats + 3):
                 started = time.perf_counter()
                 torch.nn.functional.linear(x, weight)
+                synchronize(device)
                 samples.append(time.perf_counter() - started)
             times[rows] = statistics.median(samples[3:]) * 1e6
         report.append({
-            "shape": [features_in, features_out], "weight_mib": features_in * features_out * 4 / 2**20,
+            "shape": [features_in, features_out], "weight_mib": features_in * features_out * weight.element_size() / 2**20,
             "us_by_rows": times, "times_one_row": {rows: us / times[1] for rows, us in times.items()},
         })
     return report
@@ -109,44 +114,60 @@ def medusa_bounds(
     }
 
 
+def _load(role: str, args: argparse.Namespace) -> CausalLM:
+    """The `role` model: a directory, or a published shape with random weights on `--device`."""
+    shape = getattr(args, f"{role}_shape")
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    if shape:
+        return random_lm(shape, str(device), dtype, args.quantize)
+    return CausalLM.load(getattr(args, f"{role}_model"), device=str(device), dtype=str(dtype).removeprefix("torch."),
+                         quantization=args.quantize)
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
+    streams = sorted({1, *args.streams})
+    limits = EngineLimits(max_batch_rows=max(streams) + 1, max_cache_len=1024, compile=args.compile)
     engines = {}
-    for role, path in (("target", args.target_model), ("draft", args.draft_model)):
-        lm = CausalLM.load(path, device="cpu", dtype="float32", quantization=args.quantize)
-        engines[role] = Engine(lm, role, EngineLimits(max_batch_rows=STREAMS + 1, max_cache_len=1024))
+    for role in ("target", "draft"):
+        engines[role] = Engine(_load(role, args), role, limits)
         engines[role].warmup()
     target, draft = engines["target"], engines["draft"]
     verify, greedy_ms = target.measure_costs(repeats=args.repeats, positions=POSITIONS, decode_tokens=GREEDY_ROUND)
     _, draft_ms = draft.measure_costs(repeats=args.repeats, positions=(1,), decode_tokens=GREEDY_ROUND)
     assert target.scheduler is not None
-    one = target.scheduler.time_decode_step(1, start=96)
-    many = target.scheduler.time_decode_step(STREAMS, start=96)
-    step_1, step_8 = (one[1], many[1]) if one[1] is not None and many[1] is not None else (one[0], many[0])
-    batching = STREAMS * step_1 / step_8
+    steps = {rows: target.scheduler.time_decode_step(rows, start=96) for rows in streams}
+    fused = all(step[1] is not None for step in steps.values())
+    step_ms = {rows: step[1] if fused else step[0] for rows, step in steps.items()}
+    batching = {rows: rows * step_ms[1] / ms for rows, ms in step_ms.items()}
     started_at = datetime.now(timezone.utc)
     report: dict[str, Any] = {
         "metadata": {
             "schema": SCHEMA,
             "date": started_at.isoformat(timespec="seconds"),
-            "target_model": model_label(args.target_model, demo_target_dir()),
-            "draft_model": model_label(args.draft_model, demo_draft_dir()),
+            "target_model": target.lm.name if args.target_shape else model_label(args.target_model, demo_target_dir()),
+            "draft_model": draft.lm.name if args.draft_shape else model_label(args.draft_model, demo_draft_dir()),
             "machine": machine_info(),
         },
         "threads": args.threads,
+        "device": str(target.lm.device),
+        "dtype": str(target.lm.dtype).removeprefix("torch."),
+        "compiled": target.scheduler.compiled,
         "quantization": {"target": target.lm.quantization, "draft": draft.lm.quantization},
         "target": {"forward_costs_ms": dict(verify), "greedy_ms_per_token": greedy_ms},
         "draft": {"greedy_ms_per_token": draft_ms},
         "batching": {
-            "step_ms_1_row": one[0], "step_ms_8_rows": many[0],
-            "fused_step_ms_1_row": one[1], "fused_step_ms_8_rows": many[1],
-            "streams_8_vs_1_at_most": batching,
-            "p50_latency_8_vs_1_at_least": STREAMS / batching,
+            "step_ms_1_row": steps[1][0], "fused_step_ms_1_row": steps[1][1],
+            "step_ms_by_rows": {rows: step[0] for rows, step in steps.items()},
+            "fused_step_ms_by_rows": {rows: step[1] for rows, step in steps.items()} if fused else None,
+            "streams_vs_1_at_most": batching,
+            "p50_latency_vs_1_at_least": {rows: rows / ratio for rows, ratio in batching.items()},
         },
         "speculative": [speculative_bound(alpha, greedy_ms, draft_ms, verify) for alpha in ALPHAS],
-        "matmul": matmul_scaling(args.repeats * 4),
+        "matmul": matmul_scaling(args.repeats * 4, target.lm.device, target.lm.dtype),
     }
-    if args.medusa and Path(args.medusa).is_dir():
+    if args.medusa and Path(args.medusa).is_dir() and not args.target_shape:
         tuned = tune(argparse.Namespace(
             model=args.target_model, heads=args.medusa, nodes=24, prompts=args.medusa_prompts, prompt_chars=300,
             new_tokens=64, max_rank=6, threads=args.threads,
@@ -164,6 +185,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--draft-model", default=str(demo_draft_dir()))
     parser.add_argument("--medusa", default=str(demo_medusa_dir()), help="heads directory ('' to skip)")
     parser.add_argument("--medusa-prompts", type=int, default=16, help="held-out prompts for the heads' E(N)")
+    parser.add_argument("--target-shape", choices=sorted(SHAPES), help="random weights of this published shape instead of --target-model")
+    parser.add_argument("--draft-shape", choices=sorted(SHAPES), help="random weights of this published shape instead of --draft-model")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    parser.add_argument("--dtype", default="float32", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"), help="the engines' --compile")
+    parser.add_argument("--streams", type=lambda text: [int(n) for n in text.split(",")], default=[STREAMS],
+                        help="decode steps of this many rows are timed, comma-separated (1 always)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a service's share of the cores)")
     parser.add_argument("--quantize", default="auto", help="both models' --quantize (none, int8, int4, auto)")
     parser.add_argument("--repeats", type=int, default=31)
@@ -181,8 +209,9 @@ def run(args: argparse.Namespace) -> int:
     target, batching = report["target"], report["batching"]
     print(f"greedy: {target['greedy_ms_per_token']:.3f} ms a token; draft {report['draft']['greedy_ms_per_token']:.3f}")
     print("forward at n positions, ms: " + ", ".join(f"{n}: {ms:.2f}" for n, ms in target["forward_costs_ms"].items()))
-    print(f"8 streams ÷ 1 ≤ {batching['streams_8_vs_1_at_most']:.2f}; "
-          f"their p50 latency ÷ one stream's ≥ {batching['p50_latency_8_vs_1_at_least']:.2f}")
+    for rows, ratio in batching["streams_vs_1_at_most"].items():
+        print(f"{rows} streams ÷ 1 ≤ {ratio:.2f}; their p50 latency ÷ one stream's ≥ "
+              f"{batching['p50_latency_vs_1_at_least'][rows]:.2f}")
     for row in report["speculative"]:
         print(f"speculative at α = {row['alpha']}: ≤ {row['ratio_vs_greedy']:.2f}× greedy (γ = {row['best_gamma']}), "
               f"free draft ≤ {row['free_draft_ratio_vs_greedy']:.2f}× (γ = {row['free_draft_best_gamma']})")

@@ -169,21 +169,22 @@ def bounds_tables(report: dict[str, Any]) -> str:
     """`specwire bounds --json`: the engine's costs and the best ratio to greedy each strategy allows."""
     target, batching = report["target"], report["batching"]
     costs = {int(n): ms for n, ms in target["forward_costs_ms"].items() if int(n) in BOUNDS_POSITIONS}
-    fused = batching["fused_step_ms_1_row"] is not None
-    one, many = (("fused_step_ms_1_row", "fused_step_ms_8_rows") if fused else ("step_ms_1_row", "step_ms_8_rows"))
+    fused = batching["fused_step_ms_by_rows"] is not None
+    step_ms = batching["fused_step_ms_by_rows" if fused else "step_ms_by_rows"]
+    where = f" on {report['device']}, {report['dtype']}" + (", compiled" if report["compiled"] else ", eager")
     lines = [
         provenance(report["metadata"]),
         "",
-        f"{report['threads']} torch thread(s); a token of a 16-token greedy round t_g = "
+        f"{report['threads']} torch thread(s){where}; a token of a 16-token greedy round t_g = "
         f"{target['greedy_ms_per_token']:.3f} ms; a draft token t_d = {report['draft']['greedy_ms_per_token']:.3f} ms.",
         "",
         *_table(["new positions n", *map(str, costs)], [["target forward, ms", *(fmt(ms) for ms in costs.values())]]),
         "",
         *_table(
-            ["decode step, 96 cached positions", "1 row", "8 rows", "8 streams ÷ one, at most",
-             "8 streams' p50 ÷ one stream's, at least"],
-            [["fused greedy steps" if fused else "one forward", fmt(batching[one], 3), fmt(batching[many], 3),
-              fmt(batching["streams_8_vs_1_at_most"]), fmt(batching["p50_latency_8_vs_1_at_least"])]],
+            ["decode step, 96 cached positions", *(f"{rows} row{'s' if str(rows) != '1' else ''}" for rows in step_ms)],
+            [[("fused greedy steps" if fused else "one forward") + ", ms", *(fmt(ms, 3) for ms in step_ms.values())],
+             ["streams ÷ one, at most", *map(fmt, batching["streams_vs_1_at_most"].values())],
+             ["their p50 ÷ one stream's, at least", *map(fmt, batching["p50_latency_vs_1_at_least"].values())]],
         ),
         "",
         *_table(

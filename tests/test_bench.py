@@ -383,19 +383,22 @@ def test_bounds_times_the_engine_and_reports_consistent_ratios(llama_target_dir:
     """`specwire bounds` end to end on tiny models (eager here: the suite does not compile)."""
     args = argparse.Namespace(
         target_model=str(llama_target_dir), draft_model=str(llama_draft_dir), medusa="", medusa_prompts=1,
-        threads=1, repeats=2, quantize="none",
+        threads=1, repeats=2, quantize="none", target_shape=None, draft_shape=None, device="cpu", dtype="float32",
+        compile="off", streams=[8, 3],
     )
     measured = bounds.measure(args)
     assert measured["quantization"] == {"target": "none", "draft": "none"}
+    assert (measured["device"], measured["dtype"], measured["compiled"]) == ("cpu", "float32", False)
     costs = measured["target"]["forward_costs_ms"]
     assert list(costs) == list(bounds.POSITIONS) and all(ms > 0 for ms in costs.values())
     assert measured["target"]["greedy_ms_per_token"] > 0 and measured["draft"]["greedy_ms_per_token"] > 0
     batching = measured["batching"]
-    assert batching["fused_step_ms_1_row"] is None  # no compiled fused steps when eager
-    assert batching["streams_8_vs_1_at_most"] == pytest.approx(
-        8 * batching["step_ms_1_row"] / batching["step_ms_8_rows"]
-    )
-    assert batching["p50_latency_8_vs_1_at_least"] == pytest.approx(8 / batching["streams_8_vs_1_at_most"])
+    assert batching["fused_step_ms_by_rows"] is None  # no compiled fused steps when eager
+    step_ms = batching["step_ms_by_rows"]
+    assert list(step_ms) == [1, 3, 8] and step_ms[1] == batching["step_ms_1_row"]
+    for rows, ms in step_ms.items():
+        assert batching["streams_vs_1_at_most"][rows] == pytest.approx(rows * step_ms[1] / ms)
+        assert batching["p50_latency_vs_1_at_least"][rows] == pytest.approx(rows / batching["streams_vs_1_at_most"][rows])
     for row in measured["speculative"]:  # a free draft can only do better
         assert 0 < row["ratio_vs_greedy"] <= row["free_draft_ratio_vs_greedy"]
     assert [product["times_one_row"][1] for product in measured["matmul"]] == [1.0] * len(bounds.MATMUL_SHAPES)
@@ -413,10 +416,9 @@ def assert_bounds_tables_agree(data: dict[str, Any]) -> None:
         else:
             assert n not in shown
     batching = data["batching"]
-    for header, key in (("1 row", "step_ms_1_row"), ("8 rows", "step_ms_8_rows"),
-                        ("8 streams ÷ one, at most", "streams_8_vs_1_at_most"),
-                        ("8 streams' p50 ÷ one stream's, at least", "p50_latency_8_vs_1_at_least")):
-        assert_cell_shows(step[0][header], batching[key])
+    for cells, key in zip(step, ("step_ms_by_rows", "streams_vs_1_at_most", "p50_latency_vs_1_at_least"), strict=True):
+        for rows, value in batching[key].items():
+            assert_cell_shows(cells[f"{rows} row" + ("s" if rows != "1" else "")], value)
     for cells, row in zip(speculative, data["speculative"], strict=True):
         assert_cell_shows(cells["α"], row["alpha"])
         assert_cell_shows(cells["best ratio to greedy"], row["ratio_vs_greedy"])

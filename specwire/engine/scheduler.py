@@ -24,6 +24,7 @@ import queue
 import statistics
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -161,6 +162,9 @@ class Scheduler:
         cuda = self.device.type == "cuda"
         try:
             if cuda:
+                # The cache is written in place: static, or CUDA graphs would skip every forward.
+                for tensor in self.cache.keys + self.cache.values:
+                    torch._dynamo.mark_static_address(tensor)
                 forward = torch.compile(self.model.forward, mode="reduce-overhead")
                 steps = None
             else:
@@ -338,6 +342,7 @@ class Scheduler:
             for _ in range(repeats):
                 started = time.perf_counter()
                 step()
+                synchronize(self.device)
                 times.append(time.perf_counter() - started)
             return statistics.median(times) * 1e3 / per
 
@@ -410,9 +415,11 @@ class Scheduler:
         """The forward thread: run forwards over the queue while there are jobs; exit after
         IDLE_EXIT_S without any (its OpenMP workers go with it)."""
         compute_on(self._threads)
+        # CUDA: no OpenMP pool to give back, and a new thread would record its CUDA graphs again.
+        idle_exit_s = IDLE_EXIT_S if self.device.type != "cuda" else None
         while True:
             with self._mutex:
-                if not self._arrived.wait_for(lambda: bool(self._queue), timeout=IDLE_EXIT_S):
+                if not self._arrived.wait_for(lambda: bool(self._queue), timeout=idle_exit_s):
                     self._worker = None
                     return
                 if self._awaited:
@@ -567,7 +574,11 @@ class Scheduler:
             batch.dense = False
             if cuda:
                 batch.contiguous_from = None
+                _cuda_graphs_in_this_thread()
             out = forward(self.cache, batch)
+            if cuda:  # a graph's outputs are its buffers, which its next replay overwrites
+                hidden = out.hidden.clone() if any(job.want_hidden for job in jobs) else out.hidden
+                out = ForwardOutput(hidden, out.logits.clone() if out.logits is not None else None)
         else:
             out = self.model.forward(self.cache, batch)
         assert out.logits is not None
@@ -614,6 +625,24 @@ def compute_on(threads: int) -> None:
     (torch 2.13): `get_num_threads` has that first-time set-up happen now."""
     torch.get_num_threads()
     torch.set_num_threads(threads)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for `device`'s queued work, so that a timer around it counts that work (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cuda_graphs_in_this_thread() -> None:
+    """Before torch 2.13 (pytorch/pytorch#184357), inductor's CUDA graph trees lived only in the
+    thread that imported them (pytorch/pytorch#123177): give this thread trees of its own, as
+    torch 2.13 does by itself."""
+    from torch._inductor import cudagraph_trees
+
+    local = cudagraph_trees.local
+    if not hasattr(local, "tree_manager_containers") and not torch._C._is_key_in_tls("tree_manager_containers"):
+        local.tree_manager_containers = {}
+        local.tree_manager_locks = defaultdict(threading.Lock)
 
 
 def _allow_recompiles() -> None:
