@@ -409,6 +409,25 @@ def test_bounds_times_the_engine_and_reports_consistent_ratios(llama_target_dir:
     assert_bounds_tables_agree(json.loads(json.dumps(measured)))  # as `specwire bounds --out` writes it
 
 
+def test_a_published_shape_gets_its_sizes_and_random_weights_the_engine_serves() -> None:
+    """`--target-shape`: the model has the shape's published sizes, and the batched engine runs it."""
+    import torch
+
+    from specwire.bench.shapes import SHAPES, random_lm
+    from specwire.engine import Engine, EngineLimits
+
+    lm = random_lm("gemma-draft", "cpu", torch.float32)
+    config = lm.model.config
+    for field, value in SHAPES["gemma-draft"].items():
+        assert getattr(config, field) == value, field
+    engine = Engine(lm, "draft", EngineLimits(max_batch_rows=2, max_cache_len=128, compile="off"))
+    assert engine.scheduler is not None
+    single, fused = engine.scheduler.time_decode_step(2, start=8, repeats=2)
+    assert single > 0 and fused is None
+    with pytest.raises(ValueError, match="shape must be one of"):
+        random_lm("llama-9t", "cpu", torch.float32)
+
+
 def assert_bounds_tables_agree(data: dict[str, Any]) -> None:
     forward, step, speculative, matmul = markdown_tables(report.render_any(data))
     shown = forward[0]
