@@ -129,6 +129,24 @@ def test_auto_quantisation_leaves_a_model_that_fits_in_cache_in_float(arch_dir: 
     assert lm.quantization == "none"
 
 
+def test_auto_quantisation_picks_by_the_linear_weights_bytes() -> None:
+    """none in cache, int4 for mid-sized models (int8 where a width is not in groups of 32),
+    int8 for large ones; none on CUDA. Sizes only: the weights live on the meta device."""
+    from torch import nn
+
+    from specwire.engine import quantize
+
+    def model(mib: float, in_features: int = 1024) -> nn.Module:
+        return nn.Sequential(nn.Linear(in_features, int(mib * 2**20 / 4 / in_features), bias=False, device="meta"))
+
+    cpu = torch.device("cpu")
+    assert quantize.resolve("auto", cpu, model(31)) == "none"
+    assert quantize.resolve("auto", cpu, model(48)) == "int4"
+    assert quantize.resolve("auto", cpu, model(48, in_features=688)) == "int8"
+    assert quantize.resolve("auto", cpu, model(300)) == "int8"
+    assert quantize.resolve("auto", torch.device("cuda"), model(300)) == "none"
+
+
 def test_an_unknown_quantisation_is_refused_naming_the_flag(arch_dir: Path) -> None:
     with pytest.raises(ValueError, match="--quantize"):
         CausalLM.load(str(arch_dir), device="cpu", quantization="int3")

@@ -7,15 +7,16 @@ the embedding, which stays as it is) for one of:
 - `int4`: 4-bit weights in groups of 32 along the input, each group with its own scale and
   zero point, w = (q − 8)·s + z; activations in bfloat16 (`torch._weight_int4pack_mm_for_cpu`,
   whose float32 path is ~20× slower here).
-`auto` picks what measured fastest for the device (docs/engine.md, "Quantised weights"): int8 on
-CPU, none (bfloat16) on CUDA. Outputs then differ from the float model's, by an amount measured
-(`specwire quality`), but never between a session's solo and batched runs.
+`auto` picks what measured fastest for the device and the model's size (docs/engine.md,
+"Quantised weights"): on CPU none, int4 or int8 as the weights grow; none (bfloat16) on CUDA.
+Outputs then differ from the float model's, by an amount measured (`specwire quality`), but
+never between a session's solo and batched runs.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -29,10 +30,15 @@ ACTIVATION_QUANTISED = ("int8", "int4")
 INT4_GROUP = 32
 
 
-# `auto` quantises on CPU from this many bytes of float linear weights: below it the weights sit
-# in the CPU's caches, a step is bound by arithmetic, and int8's per-call quantisation costs more
-# than the bytes it saves (docs/engine.md, "Quantised weights").
-AUTO_MIN_BYTES = 64 << 20
+# `auto` on CPU, by the bytes of float linear weights (docs/engine.md, "Quantised weights"; AMD
+# EPYC, 2 cores, a decode step at 1 / 4 / 8 rows). Below AUTO_MIN_BYTES none: the weights sit in
+# the caches and a step is bound by arithmetic (the 16 MiB demo target: 3.10 / 4.50 / 5.39 ms
+# float32, 3.26 / 3.92 / 4.64 int8). Then int4 (the 48 MiB Gemma-3 draft: 6.84 / 10.72 / 14.03
+# float32, 4.12 / 5.48 / 7.46 int8, 2.55 / 3.84 / 6.74 int4); from AUTO_INT8_BYTES int8, whose
+# GEMM reads the weights once for all rows where the int4 kernel's time grows with them
+# (Gemma-3-270M's LM head: 7.4 / 9.4 ms int8 at 1 / 8 rows, 4.9 / 16.8 int4).
+AUTO_MIN_BYTES = 32 << 20
+AUTO_INT8_BYTES = 256 << 20
 
 
 def linear_bytes(model: nn.Module) -> int:
@@ -45,9 +51,12 @@ def resolve(mode: str, device: torch.device, model: nn.Module | None = None) -> 
     if mode not in MODES:
         raise ValueError(f"--quantize must be one of {', '.join(MODES)}; got {mode!r}")
     if mode == "auto":
-        large = model is not None and linear_bytes(model) >= AUTO_MIN_BYTES
+        size = linear_bytes(model) if model is not None else 0
+        if device.type != "cpu" or size < AUTO_MIN_BYTES:
+            return "none"
+        grouped = all(linear.in_features % INT4_GROUP == 0 for _, _, linear in _linears(cast(nn.Module, model)))
         onednn = torch.backends.mkldnn.is_available()
-        return "int8" if device.type == "cpu" and onednn and large else "none"
+        return "int4" if grouped and (size < AUTO_INT8_BYTES or not onednn) else "int8" if onednn else "none"
     if mode != "none" and device.type != "cpu":
         raise ValueError(f"--quantize {mode} runs on CPU (oneDNN / int4 CPU kernels); on {device.type} use none")
     return mode
