@@ -141,7 +141,7 @@ ROWS = [
     RowSpec("hf_prompt_lookup", "hf_assisted", "transformers prompt lookup, γ tokens"),
     RowSpec("llamacpp", "llamacpp", "llama.cpp greedy on the target's GGUF, the target's threads"),
     RowSpec("specwire_greedy", "specwire", "specwire greedy, target only, gRPC"),
-    RowSpec("specwire_speculative", "specwire", "specwire speculative, draft model, auto γ, pipelined, gRPC"),
+    RowSpec("specwire_speculative", "specwire", "specwire speculative, draft model, auto γ, the stack's pipelining, gRPC"),
     RowSpec("specwire_speculative_sequential", "specwire", "specwire speculative, draft model, fixed γ, sequential"),
     RowSpec("specwire_speculative_ngram", "specwire", "specwire speculative, n-gram drafter, auto γ, gRPC"),
     RowSpec("specwire_speculative_sampled", "specwire", "specwire speculative, draft model, T=1, defaults"),

@@ -89,7 +89,7 @@ def _add_quantize_flag(parser: argparse.ArgumentParser, flag: str = "--quantize"
     parser.add_argument(
         flag, default="auto", choices=list(quantize.MODES),
         help=f"{whom}'s linear weights: int8 / int4 on CPU; auto = what measured fastest here "
-        "(int8 for a model too large for the CPU's caches, else none; none on CUDA)",
+        "(none for a model in the CPU's caches, int4 up to 256 MiB of float weights, int8 above; none on CUDA)",
     )
 
 
@@ -168,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument(
         "--max-tokens-per-round", type=int, default=OrchestratorConfig.max_tokens_per_round,
         help="target-only decoding: tokens the target may decide per message (1 = one per round trip)",
+    )
+    orch.add_argument(
+        "--speculative-pipeline", choices=("on", "off"), default="on",
+        help="pipelined drafting for requests that leave speculative_pipeline unset "
+        "(off where draft and target compute on the same cores: the draft's work slows the verification)",
     )
     _add_telemetry_flags(orch)
     _add_http_front_flags(roles.add_parser("http", help="the OpenAI-compatible HTTP front (pip install 'specwire[http]')"))
@@ -549,6 +554,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 port=args.port,
                 max_new_tokens_limit=args.max_new_tokens_limit,
                 max_tokens_per_round=args.max_tokens_per_round,
+                speculative_pipeline=args.speculative_pipeline == "on",
                 failover_timeout_s=args.failover_timeout,
                 telemetry=_telemetry_config(args),
                 tls=tls,

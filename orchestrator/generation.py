@@ -99,6 +99,7 @@ class Decoder:
         max_new_tokens_limit: int = 4096,
         default_max_new_tokens: int = 64,
         max_tokens_per_round: int = 16,
+        speculative_pipeline: bool = True,
         tracing: telemetry.Tracing | None = None,
         metrics: OrchestratorMetrics | None = None,
     ) -> None:
@@ -114,6 +115,7 @@ class Decoder:
             default_max_new_tokens=default_max_new_tokens,
             max_context=target.info.max_context,
             vocab_size=target.info.vocab_size,
+            speculative_pipeline=speculative_pipeline,
         )
         self.eos_token_ids = frozenset(target.info.eos_token_ids)
         # Kept current by the replica sets' health watchers (`orchestrator.replicas`).

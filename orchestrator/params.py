@@ -51,6 +51,7 @@ class Limits:
     default_max_new_tokens: int
     max_context: int
     vocab_size: int
+    speculative_pipeline: bool = True  # for requests that leave it unset
 
 
 @dataclass(frozen=True)
@@ -264,7 +265,9 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
         early_stopping=early_stopping,
         num_return_sequences=num_return,
         num_speculative_tokens=gamma or None,
-        speculative_pipeline=request.speculative_pipeline if request.HasField("speculative_pipeline") else True,
+        speculative_pipeline=(
+            request.speculative_pipeline if request.HasField("speculative_pipeline") else limits.speculative_pipeline
+        ),
         draft_confidence_threshold=threshold,
         cd_form=cd_form,
         cd_alpha=cd_alpha,

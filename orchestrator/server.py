@@ -164,6 +164,7 @@ async def build_decoder(
         max_new_tokens_limit=config.max_new_tokens_limit,
         default_max_new_tokens=config.default_max_new_tokens,
         max_tokens_per_round=config.max_tokens_per_round,
+        speculative_pipeline=config.speculative_pipeline,
         tracing=tracing,
         metrics=metrics,
     )

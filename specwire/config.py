@@ -69,6 +69,8 @@ class OrchestratorConfig:
     default_max_new_tokens: int = 64
     # Target-only greedy/sampling: tokens the target may decide in one message (1 = one per trip).
     max_tokens_per_round: int = 16
+    # Pipelined drafting for requests that leave `speculative_pipeline` unset (--speculative-pipeline).
+    speculative_pipeline: bool = True
     connect_timeout_s: float = 60.0
     # How long a session lost with its replica may take to be rebuilt on another before UNAVAILABLE.
     failover_timeout_s: float = 5.0

@@ -311,6 +311,24 @@ def test_a_forward_that_fails_to_compile_is_served_eagerly(
     assert result.scores is not None and result.scores.rows == 1
 
 
+def test_a_re_timing_that_fails_after_the_compiler_still_ends_compiling(
+    llama_target_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`_when_gone`: whatever `on_ready` raises, `compiling` ends (the bench waits on it)."""
+    scheduler = engine(llama_target_dir, max_batch_rows=2, max_cache_len=64, compile="off").scheduler
+    assert scheduler is not None
+    gone = threading.Thread(target=lambda: None)
+    gone.start()
+    scheduler._compiler = threading.current_thread()  # as `_compile_requested` hands over to `_when_gone`
+
+    def timing_fails() -> None:
+        raise RuntimeError("timing failed")
+
+    with caplog.at_level("ERROR", logger="specwire"):
+        scheduler._when_gone(gone, timing_fails)
+    assert not scheduler.compiling and "timing failed" in caplog.text
+
+
 @pytest.mark.timeout(1500)  # compiling every common shape takes minutes on a busy machine
 def test_compiled_forward_serves_concurrent_sessions_like_the_eager_one(llama_target_dir: Path) -> None:
     """`--compile on` (CPU: one set of graphs over symbolic shapes), compiling in the background

@@ -412,8 +412,8 @@ def test_bounds_times_the_engine_and_reports_consistent_ratios(llama_target_dir:
 def test_a_published_shape_gets_its_sizes_and_random_weights_the_engine_serves() -> None:
     """`--target-shape`: the model has the shape's published sizes, and the batched engine runs it."""
     import torch
-
     from specwire.bench.shapes import SHAPES, random_lm
+
     from specwire.engine import Engine, EngineLimits
 
     lm = random_lm("gemma-draft", "cpu", torch.float32)

@@ -95,6 +95,26 @@ def test_a_draft_that_agrees_has_every_round_after_the_first_proposed_during_ver
     check_stats_add_up(stats, untrimmed=True)
 
 
+def test_an_orchestrator_started_without_pipelining_pipelines_only_requests_that_ask(
+    loop: LoopThread, self_draft_stack: Stack, llama_target_dir: Path
+) -> None:
+    """`--speculative-pipeline off` (what `specwire up` passes where the services share the
+    cores) is the default of requests that leave the field unset; the tokens do not change."""
+    stack = self_draft_stack
+    orchestrator = loop.run(start_orchestrator(
+        stack.target.address, stack.draft.address, str(llama_target_dir), speculative_pipeline=False
+    ))
+    try:
+        kwargs: dict[str, Any] = {"strategy": "speculative", "num_speculative_tokens": 4, "max_new_tokens": 31,
+                                  "ignore_eos": True}
+        unset = Client(orchestrator.address).generate(PROMPT, **kwargs)
+        asked = Client(orchestrator.address).generate(PROMPT, speculative_pipeline=True, **kwargs)
+    finally:
+        loop.run(orchestrator.running.server.stop(0))
+    assert unset.stats.pipelined_rounds == 0 and asked.stats.pipelined_rounds > 0
+    assert unset.token_ids == asked.token_ids == Client(stack.address).generate(PROMPT, **kwargs).token_ids
+
+
 @pytest.fixture(scope="module")
 def short_round_stacks(loop: LoopThread, small_target_dir: Path, small_draft_dir: Path) -> Iterator[dict[str, Stack]]:
     """The small pair with target-only rounds of 4 tokens (16 rounds in 64, room for probes):

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from specwire.client import Client
-from specwire.client.launcher import free_base_port
+from specwire.client.launcher import StackConfig, free_base_port, shares_cores
 
 ROOT = Path(__file__).resolve().parent.parent
 pytest_plugins = ["tests.medusa_fixtures"]  # `--medusa` passes the heads on to the target
@@ -52,3 +52,13 @@ def test_up_serves_and_stops_on_sigterm(llama_target_dir: Path, llama_draft_dir:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_pipelined_drafting_is_turned_off_where_the_model_services_share_the_cpus_cores() -> None:
+    """`specwire up` / `bench` pass `--speculative-pipeline off` to the orchestrator where the
+    services' threads outnumber the cores and no emulated link delays them."""
+    assert not shares_cores(StackConfig(device="cpu"), threads=1, cores=2)  # 1 + 1 threads
+    assert shares_cores(StackConfig(device="cpu", target_threads=2), threads=1, cores=2)
+    assert shares_cores(StackConfig(device="cpu", target_replicas=2), threads=1, cores=2)
+    assert not shares_cores(StackConfig(device="cpu", target_threads=2, rtt_ms=20.0), threads=1, cores=2)
+    assert not shares_cores(StackConfig(device="cuda", target_threads=2), threads=1, cores=2)

@@ -264,7 +264,10 @@ class Scheduler:
         the compile thread would count its OpenMP pool's toll on the forward thread's (Gemma-3-270M
         int8: a decode step 33 ms there, 20.6 ms after it ended); `compiling` holds until done."""
         compiler.join()
-        on_ready()
+        try:
+            on_ready()
+        except Exception:  # the earlier costs stand; `compiling` must still end
+            log.exception("after compiling")
         _allow_recompiles()
         compute_on(self._threads)  # `on_ready`'s jobs set this thread to one: compile for the forward thread's
         self._compile_requested()
