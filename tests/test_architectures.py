@@ -175,8 +175,10 @@ def test_gemma_3_270m_float32_greedy_and_beam_equal_transformers() -> None:
 def test_row_attention_gives_a_row_the_same_bits_alone_and_in_any_batch(decode: bool) -> None:
     """Attention for quantised models: each row of random batches (one new token a row, or
     ragged verifications; rows read in place or gathered, keys over whole blocks as `build_batch`
-    lays them) equals the row alone, bit for bit. One SDPA over a batch padded to its longest
-    row differs by ~1e-7 on x86 CPUs, enough to flip an int8 activation's rounding."""
+    lays them) equals the row alone, bit for bit, and each of a row's tokens equals a decode
+    step at its position (so verifying γ + 1 positions chooses what γ + 1 steps would). One SDPA
+    over a batch padded to its longest row, or over several new tokens, differs by ~1e-7 on x86
+    CPUs, enough to flip an int8 activation's rounding."""
     from specwire.engine.forward import row_keys
 
     rng, heads, kv_heads, dim, limit = random.Random(0), 4, 1, 256, 1100
@@ -205,6 +207,9 @@ def test_row_attention_gives_a_row_the_same_bits_alone_and_in_any_batch(decode: 
             alone = attend([rows[b]], query[b : b + 1, :, :n], [(n, slots)], gathered=False)
             assert torch.equal(together[b, :, :n], alone[0]), (extents, b)
             assert not together[b, :, n:].any()  # padding attends nowhere
+            for t in range(n):
+                step = attend([rows[b]], query[b : b + 1, :, t : t + 1], [(1, slots - n + t + 1)], gathered=False)
+                assert torch.equal(together[b, :, t], step[0, :, 0]), (extents, b, t)
 
 
 @pytest.mark.parametrize("out_features", [64, 256, 1024])

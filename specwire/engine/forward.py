@@ -155,24 +155,27 @@ def row_keys(slots: int, limit: int) -> int:
 @torch.library.custom_op("specwire::row_attention", mutates_args=())
 def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                   extents: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
-    """SDPA whose result for a row depends on that row alone: [B, Hq, T, D] (zeros at padding).
+    """SDPA whose result for a token depends on that token's row and position alone: [B, Hq, T, D]
+    (zeros at padding).
 
     Activation-quantised linears turn ~1e-7 differences into other tokens, and CPU SDPA's result
     for a row moves with the lengths padded around it: with the new tokens (T), and with the keys
     unless they are whole ROW_BLOCKs (`row_keys`); and with the thread computing it
-    (`_sdpa_one_thread`). keys/values/mask span `row_keys` of the
-    longest row. One new token a row (decode steps): one SDPA for the batch. Otherwise each row
-    on its own tokens and its own `row_keys`. An opaque op to the compiler: the loop reads the
-    extents' values."""
+    (`_sdpa_one_thread`). keys/values/mask span `row_keys` of the longest row. One new token a
+    row (decode steps): one SDPA for the batch. Otherwise each new token on its own, over the
+    `row_keys` of the slots it sees, as a decode step at its position would: a verification of
+    γ + 1 positions then chooses the tokens γ + 1 decode steps would (greedy speculation equals
+    greedy decoding). An opaque op to the compiler: the loop reads the extents' values."""
     if query.shape[2] == 1:
         return _sdpa_one_thread(query, keys, values, mask, scale, gqa)
     out = torch.zeros_like(query)
     for b, (tokens, slots) in enumerate(extents.tolist()):
-        width = row_keys(slots, keys.shape[2])
-        out[b, :, :tokens] = _sdpa_one_thread(
-            query[b : b + 1, :, :tokens].contiguous(), keys[b : b + 1, :, :width], values[b : b + 1, :, :width],
-            mask[b : b + 1, :, :tokens, :width], scale, gqa,
-        )[0]
+        for t in range(tokens):
+            width = row_keys(slots - tokens + t + 1, keys.shape[2])
+            out[b, :, t] = _sdpa_one_thread(
+                query[b : b + 1, :, t : t + 1], keys[b : b + 1, :, :width], values[b : b + 1, :, :width],
+                mask[b : b + 1, :, t : t + 1, :width], scale, gqa,
+            )[0, :, 0]
     return out
 
 
