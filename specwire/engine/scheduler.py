@@ -576,11 +576,11 @@ class Scheduler:
             assert forward is not None
             # Guarded on (a mask or none): one graph. CUDA graphs would also specialise the first row.
             batch.dense = False
-            if not cuda:
-                _own_symbols(batch)
             if cuda:
                 batch.contiguous_from = None
                 _cuda_graphs_in_this_thread()
+            else:
+                _own_symbols(batch)
             out = forward(self.cache, batch)
             if cuda:  # a graph's outputs are its buffers, which its next replay overwrites
                 hidden = out.hidden.clone() if any(job.want_hidden for job in jobs) else out.hidden

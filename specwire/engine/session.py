@@ -24,7 +24,7 @@ from specwire import attention_probe
 from specwire.acceptance import accept_draft
 from specwire.engine.cache import SlotCache
 from specwire.engine.model import CausalLM
-from specwire.engine.scheduler import ForwardJob, Scheduler
+from specwire.engine.scheduler import ForwardJob, Scheduler, synchronize
 from specwire.entropy_metrics import PositionMetrics, token_entropy
 from specwire.errors import InvalidArgument, StatusError, check_token_ids
 from specwire.medusa import tree_attention, tree_depths, tree_path
@@ -799,9 +799,8 @@ class EngineSession:
             proposed, proposal_scores = self._propose(propose, greedy, seed, min_confidence)
             if ids_only:
                 proposal_scores = None
-        if self.lm.device.type == "cuda":
-            # Whoever times this call (the servicer, a LocalSession) must see the GPU work in it.
-            torch.cuda.synchronize(self.lm.device)
+        # Whoever times this call (the servicer, a LocalSession) must see the GPU work in it.
+        synchronize(self.lm.device)
         return StepResult(
             scores=scores,
             proposed_ids=proposed,
