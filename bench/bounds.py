@@ -158,7 +158,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "target": {"forward_costs_ms": dict(verify), "greedy_ms_per_token": greedy_ms},
         "draft": {"greedy_ms_per_token": draft_ms},
         "batching": {
-            "step_ms_1_row": steps[1][0], "fused_step_ms_1_row": steps[1][1],
             "step_ms_by_rows": {rows: step[0] for rows, step in steps.items()},
             "fused_step_ms_by_rows": {rows: step[1] for rows, step in steps.items()} if fused else None,
             "streams_vs_1_at_most": batching,

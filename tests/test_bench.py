@@ -398,7 +398,7 @@ def test_bounds_times_the_engine_and_reports_consistent_ratios(llama_target_dir:
     batching = measured["batching"]
     assert batching["fused_step_ms_by_rows"] is None  # no compiled fused steps when eager
     step_ms = batching["step_ms_by_rows"]
-    assert list(step_ms) == [1, 3, 8] and step_ms[1] == batching["step_ms_1_row"]
+    assert list(step_ms) == [1, 3, 8] and all(ms > 0 for ms in step_ms.values())
     for rows, ms in step_ms.items():
         assert batching["streams_vs_1_at_most"][rows] == pytest.approx(rows * step_ms[1] / ms)
         assert batching["p50_latency_vs_1_at_least"][rows] == pytest.approx(rows / batching["streams_vs_1_at_most"][rows])
