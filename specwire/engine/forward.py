@@ -165,17 +165,37 @@ def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     row (decode steps): one SDPA for the batch. Otherwise each new token on its own, over the
     `row_keys` of the slots it sees, as a decode step at its position would: a verification of
     γ + 1 positions then chooses the tokens γ + 1 decode steps would (greedy speculation equals
-    greedy decoding). An opaque op to the compiler: the loop reads the extents' values."""
+    greedy decoding). A one-token entry's bits hold at any width in whole ROW_BLOCKs, masked,
+    so the tokens go in few SDPAs without copying keys: one a row (its keys broadcast over its
+    tokens) or one a token index (over the rows), whichever is fewer. An opaque op to the
+    compiler: the loop reads the extents' values."""
     if query.shape[2] == 1:
         return _sdpa_one_thread(query, keys, values, mask, scale, gqa)
+    B, _, T, _ = query.shape
+    width = keys.shape[2]
     out = torch.zeros_like(query)
-    for b, (tokens, slots) in enumerate(extents.tolist()):
-        for t in range(tokens):
-            width = row_keys(slots - tokens + t + 1, keys.shape[2])
-            out[b, :, t] = _sdpa_one_thread(
-                query[b : b + 1, :, t : t + 1], keys[b : b + 1, :, :width], values[b : b + 1, :, :width],
-                mask[b : b + 1, :, t : t + 1, :width], scale, gqa,
-            )[0, :, 0]
+    mask = mask.expand(B, 1, T, width)
+    tokens = extents[:, 0].tolist()
+    if B <= T:
+        for b, n in enumerate(tokens):
+            out[b, :, :n] = _sdpa_one_thread(
+                query[b, :, :n].transpose(0, 1).unsqueeze(2),  # [n, Hq, 1, D]
+                keys[b : b + 1].expand(n, *keys.shape[1:]), values[b : b + 1].expand(n, *values.shape[1:]),
+                mask[b, :, :n].transpose(0, 1).unsqueeze(2), scale, gqa,
+            )[:, :, 0].transpose(0, 1)
+        return out
+    for t in range(T):
+        rows = [b for b, n in enumerate(tokens) if n > t]
+        if len(rows) == B:
+            out[:, :, t] = _sdpa_one_thread(
+                query[:, :, t : t + 1], keys, values, mask[:, :, t : t + 1], scale, gqa
+            )[:, :, 0]
+        else:
+            index = torch.tensor(rows, dtype=torch.long, device=query.device)
+            out[index, :, t] = _sdpa_one_thread(
+                query[index, :, t : t + 1], keys.index_select(0, index), values.index_select(0, index),
+                mask[index, :, t : t + 1], scale, gqa,
+            )[:, :, 0]
     return out
 
 
