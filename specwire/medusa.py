@@ -86,6 +86,13 @@ class MedusaHeads(nn.Module):
         logits = scores.new_full((*scores.shape[:-1], self.config.vocab_size), float("-inf"))
         return logits.index_copy(-1, self.vocab_ids, scores)  # [..., N, vocab]
 
+    def top_ids(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """[..., N, k] each head's k best ids, as `forward(hidden).topk(k)` ranks them, without
+        building a vocabulary-wide row per head when the heads are trimmed."""
+        if not self.config.head_vocab or k > self.config.head_vocab:
+            return self(hidden).topk(k, dim=-1).indices
+        return self.vocab_ids[self.scores(hidden).topk(k, dim=-1).indices]
+
     def init_from_lm_head(self, lm_head_weight: torch.Tensor) -> None:
         """Start every head's vocabulary map as the base model's (reference practice): a fresh
         head then predicts the base's next token, a better start than random."""

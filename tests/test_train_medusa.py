@@ -12,6 +12,8 @@ from specwire.client.cli import main
 from specwire.medusa import MedusaHeads
 from tests.tiny import CORPUS
 
+pytest_plugins = ["tests.medusa_fixtures"]  # random heads on the tiny target
+
 
 def _train(model_dir: Path, data: list[str], out: Path) -> dict[str, object]:
     argv = ["train-medusa", "--model", str(model_dir), "--out", str(out), "--data", *data, "--steps", "40",
@@ -62,3 +64,23 @@ def test_train_medusa_from_a_teacher_cache_learns_trimmed_heads_that_load_back(l
     outside = torch.ones(320, dtype=torch.bool)
     outside[heads.vocab_ids] = False
     assert bool(torch.isneginf(logits[..., outside]).all()) and bool(torch.isfinite(logits[..., heads.vocab_ids]).all())
+    hidden = torch.randn(3, heads.config.hidden_size)
+    assert torch.equal(heads.top_ids(hidden, 5), heads(hidden).topk(5, dim=-1).indices)  # no 320-wide rows
+    assert torch.equal(heads.top_ids(hidden, 80), heads(hidden).topk(80, dim=-1).indices)  # beyond the 64 ids
+
+
+def test_heads_on_a_quantised_target_are_quantised_too(llama_target_dir: Path, llama_heads_dir: Path) -> None:
+    """An int8 target's heads read int8 weights; their proposals stay close to the float heads'."""
+    from specwire.engine import CausalLM
+    from specwire.engine.quantize import Int8Linear
+
+    plain = CausalLM.load(str(llama_target_dir), device="cpu", dtype="float32")
+    plain.attach_medusa(str(llama_heads_dir))
+    lm = CausalLM.load(str(llama_target_dir), device="cpu", dtype="float32", quantization="int8")
+    lm.attach_medusa(str(llama_heads_dir))
+    assert lm.medusa is not None and plain.medusa is not None
+    linears = [module for module in lm.medusa.modules() if isinstance(module, (torch.nn.Linear, Int8Linear))]
+    assert linears and all(isinstance(module, Int8Linear) for module in linears)
+    hidden = torch.randn(4, lm.medusa.config.hidden_size)
+    agree = (lm.medusa.top_ids(hidden, 1) == plain.medusa.top_ids(hidden, 1)).float().mean()
+    assert agree >= 0.75

@@ -106,6 +106,8 @@ class CausalLM:
                 f"model has {hidden} / {self.vocab_size}"
             )
         self.medusa = heads.to(device=self.device, dtype=self.dtype)
+        # The heads only propose (the target verifies), so they read as few bytes as its layers do.
+        quantize.quantize(self.medusa, self.quantization)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -489,8 +489,7 @@ class EngineSession:
         if self.last_hidden is None:
             raise InvalidArgument("tree_topk", "no hidden state at the last committed token: score it (or keep a scored tree's path) first")
         with torch.inference_mode():
-            head_logits = self.lm.medusa(self.last_hidden[None])[0]  # [heads, vocab]
-        top = head_logits.topk(max(topk, default=0) + 1, dim=-1).indices.cpu()  # [heads, top_k]
+            top = self.lm.medusa.top_ids(self.last_hidden[None], max(topk, default=0) + 1)[0].cpu()  # [heads, top_k]
         built = top[torch.tensor(heads, dtype=torch.long), torch.tensor(topk, dtype=torch.long)]  # [n−1]
         return [*request.append_ids, *built.tolist()]
 
@@ -621,8 +620,8 @@ class EngineSession:
                 self.last_hidden = hidden[-1]  # the scored positions end at the last token
             if scoring.medusa_top_k and self.lm.medusa is not None:
                 with torch.inference_mode():
-                    head_logits = self.lm.medusa(hidden)  # [positions, heads, vocab]
-                medusa_ids = head_logits.topk(scoring.medusa_top_k, dim=-1).indices.to(torch.int32).cpu()
+                    top = self.lm.medusa.top_ids(hidden, scoring.medusa_top_k)  # [positions, heads, top_k]
+                medusa_ids = top.to(torch.int32).cpu()
         else:
             # [branches, positions, vocab]; with attention statistics, every metric from the forward
             logits, metrics = self._forward_measured(positions, more, extras.attention_stats)
