@@ -162,13 +162,13 @@ def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     for a row moves with the lengths padded around it: with the new tokens (T), and with the keys
     unless they are whole ROW_BLOCKs (`row_keys`); and with the thread computing it
     (`_sdpa_one_thread`). keys/values/mask span `row_keys` of the longest row. One new token a
-    row (decode steps): one SDPA for the batch. Otherwise each new token on its own, over the
-    `row_keys` of the slots it sees, as a decode step at its position would: a verification of
-    γ + 1 positions then chooses the tokens γ + 1 decode steps would (greedy speculation equals
-    greedy decoding). A one-token entry's bits hold at any width in whole ROW_BLOCKs, masked,
-    so the tokens go in few SDPAs without copying keys: one a row (its keys broadcast over its
-    tokens) or one a token index (over the rows), whichever is fewer. An opaque op to the
-    compiler: the loop reads the extents' values."""
+    row (decode steps): one SDPA for the batch. Otherwise each new token is an entry of its own,
+    as a decode step at its position would be: a verification of γ + 1 positions then chooses the
+    tokens γ + 1 decode steps would (greedy speculation equals greedy decoding). A one-token
+    entry's bits hold at any width in whole ROW_BLOCKs, masked, so the entries go in few SDPAs
+    without copying keys: one a row (its keys broadcast over its tokens) or one a token index
+    (over the rows), whichever is fewer. An opaque op to the compiler: the loop reads the
+    extents' values."""
     if query.shape[2] == 1:
         return _sdpa_one_thread(query, keys, values, mask, scale, gqa)
     B, _, T, _ = query.shape
