@@ -185,17 +185,12 @@ def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             )[:, :, 0].transpose(0, 1)
         return out
     for t in range(T):
-        rows = [b for b, n in enumerate(tokens) if n > t]
-        if len(rows) == B:
-            out[:, :, t] = _sdpa_one_thread(
-                query[:, :, t : t + 1], keys, values, mask[:, :, t : t + 1], scale, gqa
-            )[:, :, 0]
-        else:
-            index = torch.tensor(rows, dtype=torch.long, device=query.device)
-            out[index, :, t] = _sdpa_one_thread(
-                query[index, :, t : t + 1], keys.index_select(0, index), values.index_select(0, index),
-                mask[index, :, t : t + 1], scale, gqa,
-            )[:, :, 0]
+        having = [b for b, n in enumerate(tokens) if n > t]
+        # Every row: a view of the keys; some: a copy of theirs.
+        rows = slice(None) if len(having) == B else torch.tensor(having, dtype=torch.long, device=query.device)
+        out[rows, :, t] = _sdpa_one_thread(
+            query[rows, :, t : t + 1], keys[rows], values[rows], mask[rows, :, t : t + 1], scale, gqa
+        )[:, :, 0]
     return out
 
 
