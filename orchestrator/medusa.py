@@ -29,6 +29,7 @@ from specwire.orchestrator.sampling import choose
 
 from specwire.errors import FailedPrecondition
 from specwire.medusa import TreeLayout, build_tree, tree_children, tree_path
+from specwire.processing import draw
 from specwire.session import OpenRequest, ScoreKind, Scores, Scoring, StepRequest
 
 # The 24 paths of top-k indices with the highest measured match rates for the demo target and its
@@ -89,7 +90,7 @@ def accept_tree_typical(
         return best
 
     path = [0, *longest(0)]
-    next_token = int(torch.multinomial(node_probs[path[-1]], 1, generator=generator))
+    next_token = int(draw(node_probs[path[-1]][None], generator)[0])
     return path, next_token
 
 
@@ -140,7 +141,7 @@ def accept_tree_sampled(
                 probs[accept] = node_probs[rows[accept], at[accept]]
             moved |= accept
         walking = moved
-    next_token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
+    next_token = draw(probs, generator)  # [B]
     return at, next_token
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specwire.processing import draw
 from specwire.session import ScoreKind, Scores
 
 
@@ -15,7 +16,7 @@ def choose(scores: Scores, row: int, generator: torch.Generator | None) -> int:
     if scores.kind != ScoreKind.PROBS:
         raise ValueError(f"cannot draw a token from {scores.kind.name} scores")
     if scores.dense is not None:
-        return int(torch.multinomial(scores.dense[row].float(), 1, generator=generator))
+        return int(draw(scores.dense[row : row + 1], generator)[0])
     assert scores.sparse_ids is not None and scores.sparse_values is not None
     index = int(torch.multinomial(scores.sparse_values[row].float(), 1, generator=generator))
     return int(scores.sparse_ids[row, index])

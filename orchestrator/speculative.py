@@ -81,10 +81,29 @@ class SessionSync:
 
 @dataclass
 class Proposal:
-    """One round's draft tokens and their q; `probs` None for a deterministic drafter (one-hot q)."""
+    """One round's draft tokens and their q as the draft sent it (sparse from a trimmed or
+    truncating draft); `scores` None for a deterministic drafter (one-hot q)."""
 
     tokens: list[int]
-    probs: torch.Tensor | None = None  # [len(tokens), V]
+    scores: Scores | None = None  # PROBS, a row per token
+
+    def rest(self) -> Proposal:
+        """The proposal after its first token."""
+        return Proposal(self.tokens[1:], self.scores.rows_from(1) if self.scores is not None else None)
+
+    def probs(self, vocab_size: int) -> torch.Tensor:
+        """q dense: [len(tokens), V] float32."""
+        if self.scores is None:
+            return one_hot_probs(torch.tensor(self.tokens, dtype=torch.long), vocab_size)
+        return self.scores.to_dense(vocab_size, 0.0)
+
+    def wire_probs(self) -> Scores:
+        """q as it travels to a verifying target: sparse rows, as the draft sent them where it could."""
+        if self.scores is None:
+            return sparse_draft_probs(self.tokens, None)
+        if self.scores.dense is not None:
+            return sparse_draft_probs(self.tokens, self.scores.dense.float())
+        return self.scores
 
 
 def sparse_draft_probs(tokens: list[int], probs: torch.Tensor | None) -> Scores:
@@ -289,8 +308,7 @@ class Speculation:
             if ahead.tokens and accepted_len == len(drafts) and next_token == ahead.tokens[0]:
                 self.draft_sync = SessionSync(held, held)
                 if len(ahead.tokens) > 1:
-                    rest = ahead.probs[1:] if ahead.probs is not None else None
-                    self.pending = Proposal(ahead.tokens[1:], rest)
+                    self.pending = ahead.rest()
             else:
                 self.draft_sync = SessionSync(held, base + accepted_len)
                 ctx.stats.pipeline_misses += 1
@@ -351,10 +369,7 @@ class Speculation:
         spent = ctx.stats.draft.since(before)
         if ctx.stats.draft.calls > 2:  # the first step carries the prompt's prefill
             self.estimates.record_draft(spent.compute_ms, len(tokens), spent.client_ms - spent.compute_ms)
-        probs = None
-        if params.do_sample and result.proposal_scores is not None:
-            probs = result.proposal_scores.to_dense(ctx.target.info.vocab_size, 0.0)  # [n, V]
-        return Proposal(tokens, probs)
+        return Proposal(tokens, result.proposal_scores if params.do_sample else None)
 
     async def _verify(self, proposal: Proposal) -> StepResult:
         """The target scores the γ+1 positions the drafts decide, in one forward; sampled rounds
@@ -365,7 +380,7 @@ class Speculation:
         kind = ScoreKind.PROBS if ctx.params.do_sample else ScoreKind.ARGMAX
         verify = None
         if self.verify_remotely:
-            verify = Verification(sparse_draft_probs(drafts, proposal.probs), ctx.draw_seed())
+            verify = Verification(proposal.wire_probs(), ctx.draw_seed())
         verified = await self.target.step(
             StepRequest(
                 keep_tokens=keep,
@@ -419,8 +434,7 @@ def _decide(ctx: DecodeContext, proposal: Proposal, verified: StepResult) -> tup
         return accept_greedy(draft_tokens, scores.argmax_ids)
     vocab_size = ctx.target.info.vocab_size
     target_probs = scores.to_dense(vocab_size, 0.0)  # [γ'+1, V]
-    draft_probs = proposal.probs if proposal.probs is not None else one_hot_probs(draft_tokens, vocab_size)  # [γ', V]
-    return accept_draft(draft_tokens, draft_probs, target_probs, ctx.generator)
+    return accept_draft(draft_tokens, proposal.probs(vocab_size), target_probs, ctx.generator)
 
 
 def _count(ctx: DecodeContext, drafted: int, accepted_len: int) -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specwire.processing import draw
+
 
 def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
     """p'(x) = norm(max(0, p(x) − q(x))) (Leviathan et al. 2023, §2.3); p itself where that is all 0.
@@ -50,7 +52,7 @@ def accept_drafts(
     # A zero q row after the last draft makes the residual there p_{γ+1}: the bonus distribution.
     padded_q = F.pad(draft_probs, (0, 0, 0, 1))  # [B, γ+1, V]
     next_dist = residual_distribution(target_probs[rows, accepted_len], padded_q[rows, accepted_len])  # [B, V]
-    next_token = torch.multinomial(next_dist, 1, generator=generator).squeeze(-1)  # [B]
+    next_token = draw(next_dist, generator)  # [B]
     return accepted_len, next_token
 
 

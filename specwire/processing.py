@@ -33,9 +33,9 @@ def overflow_limit(scores: torch.Tensor) -> torch.Tensor:
     return torch.where(empty, torch.zeros_like(scores), scores)
 
 
-def _overflowed(before: torch.Tensor, after: torch.Tensor) -> bool:
-    """Whether an operation turned a finite score infinite or NaN."""
-    return bool((torch.isfinite(before) & ~torch.isfinite(after)).any())
+def _overflowed(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """The rows in which an operation turned a finite score infinite or NaN: [rows, 1] bool."""
+    return (torch.isfinite(before) & ~torch.isfinite(after)).any(dim=-1, keepdim=True)
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def repetition_penalty(scores: torch.Tensor, history: torch.Tensor, penalty: flo
     seen = torch.gather(scores, 1, history)  # [rows, length]
     penalized = torch.where(seen < 0, seen * penalty, seen / penalty)
     out = scores.scatter(1, history, penalized)
-    return overflow_limit(out) if _overflowed(scores, out) else out
+    return overflow_limit(out) if bool(_overflowed(scores, out).any()) else out
 
 
 def banned_ngram_tokens(history: Sequence[int], ngram_size: int) -> list[int]:
@@ -117,13 +117,16 @@ def temperature(scores: torch.Tensor, value: float) -> torch.Tensor:
     """
     if value == 1.0:
         return scores
+    overflowed = None
     if value > 0:
         scaled = scores / value
-        if not _overflowed(scores, scaled):
+        overflowed = _overflowed(scores, scaled)  # [rows, 1]: each row on its own, in any batch
+        if not bool(overflowed.any()):
             return scaled
     top = scores.amax(dim=-1, keepdim=True)  # [rows, 1]
     shifted = ((scores - top) / value).nan_to_num(nan=NEG_INF)  # [rows, vocab], ≤ 0 or −inf
-    return overflow_limit(torch.where(scores >= top, 0.0, shifted))
+    limit = overflow_limit(torch.where(scores >= top, 0.0, shifted))
+    return limit if overflowed is None else torch.where(overflowed, limit, scaled)
 
 
 def top_k(scores: torch.Tensor, k: int, min_tokens_to_keep: int = 1) -> torch.Tensor:
@@ -135,19 +138,52 @@ def top_k(scores: torch.Tensor, k: int, min_tokens_to_keep: int = 1) -> torch.Te
     return scores.masked_fill(scores < kth, NEG_INF)
 
 
+# Rows with at most this share of finite scores (after top-k) sort only those (`top_p`).
+_FEW_FINITE = 1 / 8
+# Sorted survivors sit after −inf padding that keeps their offsets modulo this, so that softmax's
+# vectorised sum adds them in the lanes and order it would in the full row, to the bit.
+_LANE_ALIGN = 256
+
+
 def top_p(scores: torch.Tensor, p: float, min_tokens_to_keep: int = 1) -> torch.Tensor:
     """Nucleus sampling (Holtzman et al. 2020): the smallest set whose probability reaches p.
 
-    Sorted ascending, a token goes when the cumulative probability up to it is ≤ 1 − p.
+    Sorted ascending, a token goes when the cumulative probability up to it is ≤ 1 − p. After
+    top-k few scores are finite: only they are sorted (a 262,144-id row costs 5 ms to sort here),
+    with the result of sorting the whole row.
     """
     if p >= 1.0:
         return scores
+    vocab = scores.shape[-1]
+    count = int((scores > NEG_INF).sum(dim=-1).max())  # NaN is not counted: such rows sort whole
+    if min_tokens_to_keep <= count <= vocab * _FEW_FINITE and vocab % _LANE_ALIGN == 0 and not scores.isnan().any():
+        few = _top_p_of_few(scores, count, p, min_tokens_to_keep)
+        if few is not None:
+            return few
     sorted_scores, order = torch.sort(scores, descending=False)
     cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
     remove_sorted = cumulative <= (1 - p)
     remove_sorted[..., -min_tokens_to_keep:] = False
     remove = remove_sorted.scatter(1, order, remove_sorted)
     return scores.masked_fill(remove, NEG_INF)
+
+
+def _top_p_of_few(scores: torch.Tensor, count: int, p: float, keep: int) -> torch.Tensor | None:
+    """`top_p` over rows with at most `count` scores above −inf, or None where two of those tie
+    (the whole row's unstable sort orders ties its own way). The ascending sort of a whole row
+    ends with its `count` largest scores; before them only −inf, which softmax and the cumulative
+    sum pass over as exact zeros."""
+    rows, vocab = scores.shape
+    values, ids = torch.topk(scores, count, dim=-1, largest=True, sorted=True)  # [rows, count]
+    values, ids = values.flip(-1), ids.flip(-1)  # ascending
+    finite = values > NEG_INF
+    if bool((finite[:, 1:] & (values[:, 1:] == values[:, :-1])).any()):
+        return None
+    pad = (vocab - count) % _LANE_ALIGN
+    tail = torch.cat([values.new_full((rows, pad), NEG_INF), values], dim=-1)
+    remove = tail.softmax(dim=-1).cumsum(dim=-1)[:, pad:] <= (1 - p)
+    remove[..., -keep:] = False
+    return scores.scatter(-1, ids, values.masked_fill(remove, NEG_INF))
 
 
 def min_p(scores: torch.Tensor, p: float, min_tokens_to_keep: int = 1) -> torch.Tensor:
@@ -178,6 +214,21 @@ def apply_warpers(scores: torch.Tensor, config: ProcessingConfig) -> torch.Tenso
 def greedy_scores(logits: torch.Tensor, history: torch.Tensor, config: ProcessingConfig) -> torch.Tensor:
     """What greedy decoding takes the argmax of: penalties on the raw float32 logits."""
     return apply_penalties(logits.float(), history, config)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One id per row of probs [rows, vocab] (≥ 0, positive sums) by inverse transform: the
+    first id whose cumulative mass exceeds u · total, u ~ U[0, 1). `torch.multinomial`'s
+    distribution at a 20th of its cost on a 262,144-id row (0.27 ms against 5.3 here). [rows] int64."""
+    cumulative = probs.double().cumsum(dim=-1)  # [rows, vocab]
+    total = cumulative[:, -1:]
+    uniform = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
+    ids = torch.searchsorted(cumulative, uniform * total, right=True).squeeze(-1)  # [rows]
+    over = ids >= probs.shape[-1]  # u · total rounded up to total: the last id with mass
+    if bool(over.any()):
+        last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).long().argmax(dim=-1)
+        ids = torch.where(over, last, ids)
+    return ids
 
 
 def sampling_probs(logits: torch.Tensor, history: torch.Tensor, config: ProcessingConfig) -> torch.Tensor:

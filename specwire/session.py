@@ -120,6 +120,11 @@ class Scores:
                 return int(tensor.shape[0])
         return 0
 
+    def rows_from(self, start: int) -> Scores:
+        """These scores without their first `start` rows (and without metrics)."""
+        tensors = (self.argmax_ids, self.dense, self.sparse_ids, self.sparse_values)
+        return Scores(self.kind, *(None if t is None else t[start:] for t in tensors))
+
     def to_dense(self, vocab_size: int, fill: float) -> torch.Tensor:
         """[rows, vocab] float32; entries a sparse form left out get `fill`."""
         if self.dense is not None:

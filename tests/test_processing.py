@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -14,7 +15,8 @@ from transformers.generation.logits_process import (
 )
 
 from specwire import processing
-from specwire.processing import ProcessingConfig
+from specwire.processing import ProcessingConfig, draw
+from tests.goodness_of_fit import chi_square_pvalue
 
 VOCAB = 50
 
@@ -107,3 +109,42 @@ def test_truncates_reports_whether_warping_cuts_the_vocabulary() -> None:
     assert ProcessingConfig(top_k=5).truncates
     assert ProcessingConfig(top_p=0.9).truncates
     assert ProcessingConfig(min_p=0.1).truncates
+
+
+@pytest.mark.parametrize(("k", "p", "keep", "ties"), [(27, 0.9, 1, False), (50, 0.5, 2, False), (1, 0.5, 1, False), (300, 0.95, 1, True)])
+def test_top_p_after_top_k_sorts_the_survivors_alone_to_the_full_sorts_bits(
+    monkeypatch: pytest.MonkeyPatch, k: int, p: float, keep: int, ties: bool
+) -> None:
+    generator = torch.Generator().manual_seed(k)
+    logits = torch.randn(5, 4096, generator=generator) * 3
+    if ties:  # ties among the survivors: the whole row is sorted, as transformers sorts it
+        logits = (logits * 4).round() / 4
+    history = torch.zeros(5, 1, dtype=torch.long)
+    expected = TopPLogitsWarper(p, min_tokens_to_keep=keep)(history, TopKLogitsWarper(k)(history, logits.clone()))
+    few = processing._top_p_of_few
+    outcomes: list[bool] = []  # whether the survivors alone were sorted
+
+    def spy(*args: object) -> torch.Tensor | None:
+        result = few(*args)  # type: ignore[arg-type]
+        outcomes.append(result is not None)
+        return result
+
+    monkeypatch.setattr(processing, "_top_p_of_few", spy)
+    assert torch.equal(processing.top_p(processing.top_k(logits, k), p, keep), expected)
+    assert outcomes == [not ties]
+
+
+def test_draw_follows_the_distribution_and_never_an_id_without_mass() -> None:
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0]]).expand(4, -1)
+    generator = torch.Generator().manual_seed(0)
+    counts = np.zeros(6)
+    for _ in range(1000):
+        counts += np.bincount(draw(probs, generator).numpy(), minlength=6)
+    assert chi_square_pvalue(counts, probs[0].numpy()) > 1e-3
+    wrong = np.array([0.0, 0.4, 0.0, 0.4, 0.2, 0.0])  # negative control: the same draws fail another p
+    assert chi_square_pvalue(counts, wrong) < 1e-6
+
+
+def test_draw_gives_the_last_id_with_mass_when_u_times_the_total_rounds_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=kw["dtype"]))
+    assert draw(torch.tensor([[0.3, 0.7, 0.0, 0.0]])).tolist() == [1]

@@ -110,6 +110,12 @@ class CausalLM:
         quantize.quantize(self.medusa, self.quantization)
 
     @property
+    def proposable_ids(self) -> torch.Tensor | None:
+        """[K] the only ids a trimmed-vocabulary draft can score finite (`trimmed_vocab`), else None."""
+        head = self.model.get_output_embeddings()
+        return cast(torch.Tensor, head.target_ids) if isinstance(head, trimmed_vocab.TargetVocabHead) else None
+
+    @property
     def dtype(self) -> torch.dtype:
         """The activations' dtype (the embedding's: quantised layers keep theirs elsewhere)."""
         return cast(torch.dtype, self.model.get_input_embeddings().weight.dtype)
@@ -161,4 +167,3 @@ class CausalLM:
             max_context=_max_context(model.config),
             accepts_logits_to_keep="logits_to_keep" in inspect.signature(model.forward).parameters,
         )
-
