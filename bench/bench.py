@@ -55,8 +55,10 @@ specwire: `ignore_eos`), so every row generates exactly `max_new_tokens` tokens 
 `matches_hf_target` records the share of (repeat, prompt) pairs whose tokens equal row (a)'s.
 With `--concurrency 1,2,4,8`, the report also has a top-level `concurrency` list: for each
 strategy (greedy; speculative, with the `specwire_speculative` row's parameters, when that row
-runs) and each stream count N, N `Generate` calls run
-at once from N threads, each on prompt i mod the prompts, `--repeats` times. Per entry:
+runs) and each stream count N, N threads run `Generate` calls at once, `--repeats` times; each
+round covers every prompt (call i takes prompt i mod the prompts, N calls or as many as there are
+prompts, thread j the calls j, j + N, ...), so one stream's rate is over the same prompts as the
+rows'. Per entry:
 `aggregate_tokens_per_s` (all streams' tokens over the wall time of the round of N, median over
 repeats; each repeat runs the levels in a shuffled order), `ratio_vs_one_stream` (the median over
 repeats of the rate over one stream's in the same repeat), `p50_token_ms` / `p99_token_ms` (over
@@ -472,12 +474,16 @@ def concurrency_entries(
             order = list(levels)
             rng.shuffle(order)
             for streams in order:
-                which = [i % len(prompt_ids) for i in range(streams)]
+                calls = [i % len(prompt_ids) for i in range(max(streams, len(prompt_ids)))]
+
+                def stream(j: int, calls: list[int] = calls, streams: int = streams) -> list[Sample]:
+                    return [specwire_sample(client, params, prompt_ids[i], max_new_tokens) for i in calls[j::streams]]
+
                 started = time.perf_counter()
-                samples = list(
-                    pool.map(lambda i: specwire_sample(client, params, prompt_ids[i], max_new_tokens), which)
-                )
+                per_stream = list(pool.map(stream, range(streams)))
                 wall = time.perf_counter() - started
+                which = [i for j in range(streams) for i in calls[j::streams]]
+                samples = [sample for done in per_stream for sample in done]
                 rates[streams].append(sum(len(s.token_ids) for s in samples) / wall)
                 per_token_ms[streams] += [1e3 * s.seconds / max(1, len(s.token_ids)) for s in samples]
                 matches[streams] += [s.token_ids == solo[i] for s, i in zip(samples, which, strict=True)]

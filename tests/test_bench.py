@@ -104,7 +104,7 @@ def bench_report(llama_target_dir: Path, llama_draft_dir: Path, llama_heads_dir:
     config = bench.BenchConfig(
         target_model=str(llama_target_dir),
         draft_model=str(llama_draft_dir),
-        prompts=["def add(a, b):\n"],
+        prompts=["def add(a, b):\n", "x = [1, 2,"],
         max_new_tokens=8,
         repeats=1,
         device="cpu",
@@ -113,6 +113,7 @@ def bench_report(llama_target_dir: Path, llama_draft_dir: Path, llama_heads_dir:
         show_progress=False,
         medusa=str(llama_heads_dir),
         rows=BENCH_ROWS,
+        concurrency=(1, 3),
     )
     return bench.run_bench(config)
 
@@ -130,9 +131,9 @@ def test_bench_reports_every_row_and_field(bench_report: dict[str, Any]) -> None
             assert name in row, (row["name"], name)
         assert row["tokens_per_s"] > 0
         beam = row["group"] == bench.BEAM_GROUP  # beam rows end at eos
-        assert row["new_tokens_per_repeat"] <= 8 if beam else row["new_tokens_per_repeat"] == 8
+        assert row["new_tokens_per_repeat"] <= 16 if beam else row["new_tokens_per_repeat"] == 16  # 2 prompts × 8
     meta = bench_report["metadata"]
-    assert (meta["prompts"], meta["max_new_tokens"], meta["repeats"], meta["gamma"]) == (1, 8, 1, 4)
+    assert (meta["prompts"], meta["max_new_tokens"], meta["repeats"], meta["gamma"]) == (2, 8, 1, 4)
     assert meta["machine"]["cpu_count"] and meta["parameters"]["target"] > meta["parameters"]["draft"] > 0
     assert meta["single_forward"]["target_forward_ms"] > 0 and meta["single_forward"]["cost_ratio_c_direct"] > 0
     json.dumps(bench_report)  # serialisable as is
@@ -202,6 +203,13 @@ def test_bench_markdown_and_cli_output(bench_report: dict[str, Any], tmp_path: P
     assert "| hf_target |" in capsys.readouterr().out
     assert specwire_main(["report", str(out), "--headline"]) == 0
     assert "| specwire_speculative |" in capsys.readouterr().out
+
+
+def test_concurrent_streams_cover_every_prompt_and_equal_their_solo_runs(bench_report: dict[str, Any]) -> None:
+    entries = [(entry["strategy"], entry["streams"]) for entry in bench_report["concurrency"]]
+    assert entries == [("greedy", 1), ("greedy", 3), ("speculative", 1), ("speculative", 3)]
+    for entry in bench_report["concurrency"]:
+        assert entry["matches_solo"] == 1.0 and entry["aggregate_tokens_per_s"] > 0, entry
 
 
 def test_bench_records_its_command_date_and_machine(bench_report: dict[str, Any]) -> None:

@@ -754,26 +754,26 @@ class EngineSession:
             generator.manual_seed(seed)
         drawn: list[torch.Tensor] = []
         dists: list[torch.Tensor] = []
-        # A trimmed draft's logits are −inf outside its K ids: warping and drawing over those
-        # alone gives the same distribution at a 16th of the width (Gemma's 262,144 ids, K 16,384).
-        columns = None if greedy or self.processing.has_penalties else self.lm.proposable_ids
+        # A trimmed draft's logits are −inf outside its K ids: choosing among those alone gives
+        # the same distribution (and argmax) at a 16th of the width (Gemma's 262,144 ids, K 16,384).
+        columns = None if self.processing.has_penalties else self.lm.proposable_ids
 
         def pick(logits: torch.Tensor) -> torch.Tensor | None:  # [branches, vocab] → [branches, 1]
             history = self.tokens.to(logits.device)
             gated = bool(drawn) and min_confidence > 0  # the confidence is only worked out when it can stop
+            if columns is not None:
+                logits = logits.index_select(-1, columns)  # [branches, K]
             if greedy:
                 scores = greedy_scores(logits, history, self.processing)
                 token = scores.argmax(dim=-1, keepdim=True)
                 confidence = scores.softmax(dim=-1).amax(dim=-1).min() if gated else None
             else:
-                if columns is None:
-                    probs = sampling_probs(logits, history, self.processing)
-                    token = draw(probs, generator).unsqueeze(-1)
-                else:
-                    probs = sampling_probs(logits.index_select(-1, columns), history, self.processing)
-                    token = columns[draw(probs, generator)].unsqueeze(-1)
+                probs = sampling_probs(logits, history, self.processing)
+                token = draw(probs, generator).unsqueeze(-1)
                 confidence = probs.amax(dim=-1).min()
                 dists.append(probs)
+            if columns is not None:
+                token = columns[token]
             if gated and float(cast(torch.Tensor, confidence)) < min_confidence:
                 if dists:
                     dists.pop()
