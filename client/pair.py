@@ -7,7 +7,9 @@ takes seconds:
 2. the teacher cache (`specwire teacher-cache`, with hidden states) into DIR/teacher-cache;
 3. the draft (`specwire distill --from-scratch`) into DIR/draft: a small Llama over the
    target's most frequent ids, from the cache plus the text's own next tokens;
-4. Medusa heads (`specwire train-medusa --teacher-cache`) into DIR/medusa.
+4. Medusa heads (`specwire train-medusa --teacher-cache`) into DIR/medusa;
+5. their tree (`tune_medusa_tree`), sized to the target's forward cost curve, into
+   DIR/medusa/choices.json: the target service's default tree for Medusa requests.
 
 The training text is the Python standard library's source (the demo pair's split), which every
 machine with Python has; the recipe per model is sized to finish within an hour on a 2-core CPU.
@@ -26,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from specwire.draft_service import distill
-from specwire.target_service import train_medusa
+from specwire.target_service import train_medusa, tune_medusa_tree
 
 from specwire import model_zoo
+from specwire.medusa import CHOICES_NAME
 
 log = logging.getLogger("specwire")
 
@@ -42,6 +45,7 @@ class Recipe:
     cache: tuple[str, ...]  # teacher-cache flags, repeated to the steps that read the cache
     draft: tuple[str, ...]  # distill --from-scratch flags
     medusa: tuple[str, ...]  # train-medusa flags
+    tree: tuple[str, ...]  # tune_medusa_tree flags
 
 
 RECIPES: dict[str, Recipe] = {
@@ -51,6 +55,9 @@ RECIPES: dict[str, Recipe] = {
                "--steps", "1500", "--batch-size", "8", "--text-batch", "8", "--lr", "2e-3", "--warmup", "100", "--bf16"),
         medusa=("--heads", "3", "--layers", "1", "--vocab-top", "16384", "--steps", "600", "--batch-size", "4",
                 "--lr", "1e-3"),
+        # 6 nodes: a 7-position verification of the int8 target costs little more than one
+        # position on a 2-core CPU (docs/medusa.md, "Heads for Gemma-3-270M").
+        tree=("--nodes", "6", "--prompts", "6", "--new-tokens", "48", "--max-rank", "4"),
     ),
 }
 
@@ -79,6 +86,10 @@ def build(name: str, out: Path, threads: int, medusa: bool = True) -> dict[str, 
         medusa_argv = ["train-medusa", "--model", str(out), "--out", str(out / "medusa"), *common, *recipe.medusa]
         steps.append(("medusa", out / "medusa" / "train_report.json",
                       lambda: train_medusa.main(parse_command(train_medusa.add_parser, medusa_argv))))
+        tree = out / "medusa" / CHOICES_NAME
+        tree_argv = ["--model", str(out), "--heads", str(out / "medusa"), "--threads", str(threads), *recipe.tree,
+                     "--out", str(tree)]
+        steps.append(("medusa_tree", tree, lambda: tune_medusa_tree.main(tree_argv)))
     for step, done, run in steps:
         if done.exists():
             continue

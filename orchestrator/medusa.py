@@ -25,6 +25,7 @@ from collections.abc import AsyncGenerator
 
 import torch
 from specwire.orchestrator.context import DecodeContext
+from specwire.orchestrator.params import parse_medusa_choices
 from specwire.orchestrator.sampling import choose
 
 from specwire.errors import FailedPrecondition
@@ -155,7 +156,8 @@ async def medusa(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
     info = ctx.target.info
     if "medusa" not in info.capabilities or info.medusa_heads < 1:
         raise FailedPrecondition("strategy 'medusa' needs a target service with Medusa heads (--medusa DIR)")
-    choices = params.medusa_choices or DEFAULT_CHOICES
+    tuned = parse_medusa_choices(info.medusa_choices) if info.medusa_choices else []
+    choices = params.medusa_choices or tuned or DEFAULT_CHOICES
     full = layout_for(choices, info.medusa_heads, info.medusa_heads)
     kind = ScoreKind.PROBS if params.do_sample else ScoreKind.ARGMAX
     target = ctx.target_session()

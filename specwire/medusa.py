@@ -27,6 +27,7 @@ from torch import nn
 
 CONFIG_NAME = "medusa_config.json"
 WEIGHTS_NAME = "medusa_heads.safetensors"
+CHOICES_NAME = "choices.json"  # the tree tuned for the heads (`tune_medusa_tree`), beside them
 
 
 @dataclass(frozen=True)

@@ -191,6 +191,7 @@ class ModelInfo:
     quantization: str = "none"  # the linear weights: none, int8, int4
     compiled: bool = False  # forwards run compiled code now
     compiling: bool = False  # the background compiler is at work (serving is slower meanwhile)
+    medusa_choices: str = ""  # the heads' tuned tree (JSON paths), "" = none
 
 
 class BackendSession(Protocol):

@@ -329,6 +329,7 @@ def info_to_pb(info: ModelInfo) -> model_pb2.ModelInfo:
         quantization=info.quantization,
         compiled=info.compiled,
         compiling=info.compiling,
+        medusa_choices=info.medusa_choices,
     )
 
 
@@ -368,6 +369,7 @@ def info_from_pb(message: model_pb2.ModelInfo) -> ModelInfo:
         quantization=message.quantization or "none",
         compiled=message.compiled,
         compiling=message.compiling,
+        medusa_choices=message.medusa_choices,
     )
 
 

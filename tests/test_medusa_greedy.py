@@ -4,6 +4,7 @@ heads; processors included), and a round is one message with one forward."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from specwire.client import Client
 from specwire.v1 import model_pb2, model_pb2_grpc
 
 from specwire.demo import demo_draft_dir, demo_medusa_dir, demo_target_dir
+from specwire.engine import CausalLM
+from specwire.medusa import CHOICES_NAME
 from tests.harness import LoopThread, Stack
 from tests.medusa_tiny import medusa_stack
 from tests.test_cli import specwire
@@ -66,6 +69,32 @@ def test_custom_tree_and_short_outputs(llama_medusa_stack: Stack) -> None:
                 "the quick", strategy="medusa", max_new_tokens=max_new, ignore_eos=True, medusa_choices=choices
             )
             assert result.token_ids == expected.token_ids
+
+
+def test_the_heads_tuned_tree_is_the_default_a_request_can_override(
+    loop: LoopThread, llama_target_dir: Path, llama_heads_dir: Path, llama_draft_dir: Path, tmp_path: Path
+) -> None:
+    heads = shutil.copytree(llama_heads_dir, tmp_path / "heads")
+    (heads / CHOICES_NAME).write_text("[[0], [1], [0, 0]]\n")
+    stack = medusa_stack(loop, llama_target_dir, heads, llama_draft_dir)
+    try:
+        with grpc.insecure_channel(stack.target.address) as channel:
+            info = model_pb2_grpc.ModelServiceStub(channel).Info(model_pb2.InfoRequest())
+        assert json.loads(info.medusa_choices) == [[0], [1], [0, 0]]
+        client = Client(stack.address)
+        expected = client.generate("def add", strategy="greedy", max_new_tokens=12, ignore_eos=True).token_ids
+        tuned = client.generate("def add", strategy="medusa", max_new_tokens=12, ignore_eos=True)
+        chosen = client.generate("def add", strategy="medusa", max_new_tokens=12, ignore_eos=True, medusa_choices=[[0]])
+        assert tuned.token_ids == chosen.token_ids == expected
+        # Nodes a round: the root and the paths (fewer where the output's end prunes the tree;
+        # the default tree has 25).
+        assert 3 < tuned.stats.medusa_tree_size <= 4 and chosen.stats.medusa_tree_size <= 2
+    finally:
+        stack.stop()
+    (heads / CHOICES_NAME).write_text("[[0, 0]]\n")  # a path without its prefix
+    lm = CausalLM.load(str(llama_target_dir), device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match="prefix"):
+        lm.attach_medusa(str(heads))
 
 
 def test_info_lists_medusa_with_the_head_count(llama_medusa_stack: Stack, llama_stack: Stack) -> None:

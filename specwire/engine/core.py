@@ -137,6 +137,7 @@ class Engine:
             quantization=self.lm.quantization,
             compiled=self.scheduler is not None and self.scheduler.compiled,
             compiling=self.scheduler is not None and self.scheduler.compiling,
+            medusa_choices=self.lm.medusa_choices,
         )
 
     @property

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from specwire.engine import quantize, trimmed_vocab
-from specwire.medusa import MedusaHeads
+from specwire.medusa import CHOICES_NAME, MedusaHeads, build_tree, load_choices
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -95,6 +95,7 @@ class CausalLM:
     accepts_logits_to_keep: bool
     medusa: MedusaHeads | None = None  # heads on the final hidden state (`--medusa DIR`)
     quantization: str = "none"  # the linear layers' weights (`specwire.engine.quantize`)
+    medusa_choices: str = ""  # the heads' tuned tree, JSON (`CHOICES_NAME` beside them); "" = none
 
     def attach_medusa(self, directory: str) -> None:
         """Load Medusa heads saved beside this model; they run on the hidden states of its forward."""
@@ -106,6 +107,11 @@ class CausalLM:
                 f"model has {hidden} / {self.vocab_size}"
             )
         self.medusa = heads.to(device=self.device, dtype=self.dtype)
+        tree = Path(directory) / CHOICES_NAME
+        if tree.is_file():
+            choices = load_choices(tree)
+            build_tree(choices)  # a bad file fails at start-up, naming itself
+            self.medusa_choices = json.dumps(choices)
         # The heads only propose (the target verifies), so they read as few bytes as its layers do.
         quantize.quantize(self.medusa, self.quantization)
 

@@ -26,7 +26,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_context", "capabilities", "role", "tokenizer_source", "device", "dtype", "cache", "medusa_heads", "forward_costs", "decode_ms_per_token", "startup", "quantization", "compiled", "compiling")
+    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_context", "capabilities", "role", "tokenizer_source", "device", "dtype", "cache", "medusa_heads", "forward_costs", "decode_ms_per_token", "startup", "quantization", "compiled", "compiling", "medusa_choices")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class ModelInfo(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     COMPILED_FIELD_NUMBER: _ClassVar[int]
     COMPILING_FIELD_NUMBER: _ClassVar[int]
+    MEDUSA_CHOICES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -63,7 +64,8 @@ class ModelInfo(_message.Message):
     quantization: str
     compiled: bool
     compiling: bool
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., role: _Optional[str] = ..., tokenizer_source: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., cache: _Optional[_Union[CacheInfo, _Mapping]] = ..., medusa_heads: _Optional[int] = ..., forward_costs: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ..., decode_ms_per_token: _Optional[float] = ..., startup: _Optional[_Union[_common_pb2.StartupTimes, _Mapping]] = ..., quantization: _Optional[str] = ..., compiled: _Optional[bool] = ..., compiling: _Optional[bool] = ...) -> None: ...
+    medusa_choices: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., role: _Optional[str] = ..., tokenizer_source: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., cache: _Optional[_Union[CacheInfo, _Mapping]] = ..., medusa_heads: _Optional[int] = ..., forward_costs: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ..., decode_ms_per_token: _Optional[float] = ..., startup: _Optional[_Union[_common_pb2.StartupTimes, _Mapping]] = ..., quantization: _Optional[str] = ..., compiled: _Optional[bool] = ..., compiling: _Optional[bool] = ..., medusa_choices: _Optional[str] = ...) -> None: ...
 
 class ForwardCost(_message.Message):
     __slots__ = ("positions", "ms")
