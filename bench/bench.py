@@ -21,8 +21,9 @@ in a freshly shuffled order, so drifting machine load spreads over all of them):
       `specwire_speculative_sequential` the draft model at a fixed γ, no pipelining, no fallback;
       `specwire_speculative_ngram` speculative with the n-gram drafter (a second stack), defaults
                                    (the orchestrator drafts: one target message per round);
-      `specwire_speculative_sampled` the defaults at temperature 1 (seeded): bytes per sampled
-                                   round (its tokens are not compared with greedy ones).
+      `specwire_speculative_sampled` auto γ, sampling at `specwire_sample`'s warpers and seeds:
+                                   its speedup is over that row, the same distribution decoded
+                                   without a draft (its tokens are not compared with greedy ones).
   (e) `specwire_sample`            target-only sampling at entropix's base warpers (T 0.666, top-p
                                    0.9, top-k 27), seeded, gRPC;
       `specwire_entropix`          entropy-adaptive sampling (reference defaults), seeded, gRPC;
@@ -146,7 +147,7 @@ ROWS = [
     RowSpec("specwire_speculative", "specwire", "specwire speculative, draft model, auto γ, the stack's pipelining, gRPC"),
     RowSpec("specwire_speculative_sequential", "specwire", "specwire speculative, draft model, fixed γ, sequential"),
     RowSpec("specwire_speculative_ngram", "specwire", "specwire speculative, n-gram drafter, auto γ, gRPC"),
-    RowSpec("specwire_speculative_sampled", "specwire", "specwire speculative, draft model, T=1, defaults"),
+    RowSpec("specwire_speculative_sampled", "specwire", "specwire speculative, draft model, auto γ, specwire_sample's warpers"),
     RowSpec("specwire_sample", "specwire_sampled", "specwire sampling at entropix's base warpers, seeded, gRPC"),
     RowSpec("specwire_entropix", "specwire_sampled", "specwire entropix (entropy-adaptive), seeded, gRPC"),
     RowSpec("specwire_entropix_speculative", "specwire_sampled", "specwire entropix verified from draft proposals, γ"),
@@ -158,6 +159,8 @@ ROWS = [
 ]
 # Row groups that sample: their tokens are not compared with greedy ones.
 SAMPLED_GROUPS = ("specwire_sampled", "specwire_medusa_sampled")
+# A speculative row's non-speculative twin, where it is not its group's (`measured_speedup`).
+TWINS = {"specwire_speculative_sampled": "specwire_sample"}
 # Beam search rows: compared with `specwire_beam`, not with greedy transformers.
 BEAM_GROUP = "specwire_beam"
 # Entropix's base warpers (the reference's defaults), for a like-for-like sampling row.
@@ -171,7 +174,7 @@ SPECWIRE_PARAMS: dict[str, dict[str, Any]] = {
         "strategy": "speculative", "num_speculative_tokens": "gamma", "speculative_pipeline": False
     },
     "specwire_speculative_ngram": {"strategy": "speculative"},
-    "specwire_speculative_sampled": {"strategy": "speculative", "temperature": 1.0, "seed": 0},
+    "specwire_speculative_sampled": {"strategy": "speculative", **BASE_WARPERS},
     # Seeded by the prompt's length (`specwire_sample`), so every run draws the same tokens.
     "specwire_sample": {"strategy": "sample", **BASE_WARPERS},
     "specwire_entropix": {"strategy": "entropix", **BASE_WARPERS},
@@ -609,7 +612,7 @@ def summarize(results: dict[str, RowResult]) -> list[dict[str, Any]]:
             "matches_hf_target": _matches(result, hf_target),
             "new_tokens_per_repeat": sum(len(s.token_ids) for s in samples) // max(1, len(result.samples)),
         }
-        baseline = {
+        baseline = results.get(TWINS[spec.name]) if spec.name in TWINS else {
             "specwire": specwire_greedy,
             "specwire_sampled": results.get("specwire_entropix"),
             "specwire_medusa_sampled": specwire_greedy,
