@@ -171,14 +171,25 @@ def test_gemma_3_270m_float32_greedy_and_beam_equal_transformers() -> None:
     assert together == [generate(backend, tokenizer(p).input_ids) for p in prompts]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("decode", [True, False])
-def test_row_attention_gives_a_row_the_same_bits_alone_and_in_any_batch(decode: bool) -> None:
+def test_row_attention_gives_a_row_the_same_bits_alone_and_in_any_batch(decode: bool, threads: int) -> None:
     """Attention for quantised models: each row of random batches (one new token a row, or
     ragged verifications; rows read in place or gathered, keys over whole blocks as `build_batch`
     lays them) equals the row alone, bit for bit, and each of a row's tokens equals a decode
     step at its position (so verifying γ + 1 positions chooses what γ + 1 steps would). One SDPA
     over a batch padded to its longest row, or over several new tokens, differs by ~1e-7 on x86
-    CPUs, enough to flip an int8 activation's rounding."""
+    CPUs, enough to flip an int8 activation's rounding. With two threads the calls are shared
+    with a helper thread, each still on one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_row_attention(decode)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_row_attention(decode: bool) -> None:
     from specwire.engine.forward import row_keys
 
     rng, heads, kv_heads, dim, limit = random.Random(0), 4, 1, 256, 1100

@@ -20,6 +20,8 @@ are hand-written forwards of the same contract for Llama/Qwen2 and GPT-2.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -169,29 +171,81 @@ def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     without copying keys: one a row (its keys broadcast over its tokens) or one a token index
     (over the rows), whichever is fewer. An opaque op to the compiler: the loop reads the
     extents' values."""
-    if query.shape[2] == 1:
-        return _sdpa_one_thread(query, keys, values, mask, scale, gqa)
     B, _, T, _ = query.shape
+    calls: list[Callable[[], None]] = []
+    if T == 1:
+        if B == 1 or torch.get_num_threads() < 2:
+            return _sdpa_one_thread(query, keys, values, mask, scale, gqa)
+        out = torch.empty_like(query)
+        mask = mask.expand(B, *mask.shape[1:])
+        for rows in (slice(0, B // 2), slice(B // 2, B)):  # a row's bits do not depend on its batch
+
+            def half(rows: slice = rows) -> None:
+                out[rows] = _sdpa_one_thread(query[rows], keys[rows], values[rows], mask[rows], scale, gqa)
+
+            calls.append(half)
+        _on_two_threads(calls)
+        return out
     width = keys.shape[2]
     out = torch.zeros_like(query)
     mask = mask.expand(B, 1, T, width)
     tokens = extents[:, 0].tolist()
     if B <= T:
         for b, n in enumerate(tokens):
-            out[b, :, :n] = _sdpa_one_thread(
-                query[b, :, :n].transpose(0, 1).unsqueeze(2),  # [n, Hq, 1, D]
-                keys[b : b + 1].expand(n, *keys.shape[1:]), values[b : b + 1].expand(n, *values.shape[1:]),
-                mask[b, :, :n].transpose(0, 1).unsqueeze(2), scale, gqa,
-            )[:, :, 0].transpose(0, 1)
-        return out
-    for t in range(T):
-        having = [b for b, n in enumerate(tokens) if n > t]
-        # Every row: a view of the keys; some: a copy of theirs.
-        rows = slice(None) if len(having) == B else torch.tensor(having, dtype=torch.long, device=query.device)
-        out[rows, :, t] = _sdpa_one_thread(
-            query[rows, :, t : t + 1], keys[rows], values[rows], mask[rows, :, t : t + 1], scale, gqa
-        )[:, :, 0]
+
+            def row(b: int = b, n: int = n) -> None:
+                out[b, :, :n] = _sdpa_one_thread(
+                    query[b, :, :n].transpose(0, 1).unsqueeze(2),  # [n, Hq, 1, D]
+                    keys[b : b + 1].expand(n, *keys.shape[1:]), values[b : b + 1].expand(n, *values.shape[1:]),
+                    mask[b, :, :n].transpose(0, 1).unsqueeze(2), scale, gqa,
+                )[:, :, 0].transpose(0, 1)
+
+            calls.append(row)
+    else:
+        for t in range(T):
+            having = [b for b, n in enumerate(tokens) if n > t]
+            # Every row: a view of the keys; some: a copy of theirs.
+            rows = slice(None) if len(having) == B else torch.tensor(having, dtype=torch.long, device=query.device)
+
+            def token(t: int = t, rows: slice | torch.Tensor = rows) -> None:
+                out[rows, :, t] = _sdpa_one_thread(
+                    query[rows, :, t : t + 1], keys[rows], values[rows], mask[rows, :, t : t + 1], scale, gqa
+                )[:, :, 0]
+
+            calls.append(token)
+    _on_two_threads(calls)
     return out
+
+
+_helper: ThreadPoolExecutor | None = None
+
+
+def _on_two_threads(calls: list[Callable[[], None]]) -> None:
+    """Run one-thread SDPA calls on this thread and a helper at once, where this thread may use
+    two: a call's bits depend on its running on one thread, not on which. Eight rows' attention
+    is single-threaded work otherwise (`_sdpa_one_thread`)."""
+    global _helper
+    if len(calls) < 2 or torch.get_num_threads() < 2:
+        for call in calls:
+            call()
+        return
+    if _helper is None:
+        from specwire.engine.scheduler import compute_on
+
+        _helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-attention",
+                                     initializer=compute_on, initargs=(1,))
+
+    def theirs() -> None:
+        with torch.inference_mode():
+            for call in calls[1::2]:
+                call()
+
+    pending = _helper.submit(theirs)
+    try:
+        for call in calls[0::2]:
+            call()
+    finally:
+        pending.result()
 
 
 def _sdpa_one_thread(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
