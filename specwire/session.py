@@ -122,8 +122,10 @@ class Scores:
 
     def rows_from(self, start: int) -> Scores:
         """These scores without their first `start` rows (and without metrics)."""
-        tensors = (self.argmax_ids, self.dense, self.sparse_ids, self.sparse_values)
-        return Scores(self.kind, *(None if t is None else t[start:] for t in tensors))
+        def cut(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor[start:]
+
+        return Scores(self.kind, cut(self.argmax_ids), cut(self.dense), cut(self.sparse_ids), cut(self.sparse_values))
 
     def to_dense(self, vocab_size: int, fill: float) -> torch.Tensor:
         """[rows, vocab] float32; entries a sparse form left out get `fill`."""

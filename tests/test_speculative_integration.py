@@ -211,7 +211,7 @@ def test_truncated_sampling_never_leaves_the_target_support(small_stack: Stack, 
     prompt_ids = [2, 3, 4, 2, 3]
     model: Any = hf_model(small_target_dir)
     accepted = 0
-    for seed in range(3):
+    for seed in range(10):  # α is ~0.07 for this pair at top-k 3: ~1 acceptance a generation
         result = client.generate(
             input_ids=prompt_ids, strategy="speculative", num_speculative_tokens=4, top_k=3, seed=seed,
             max_new_tokens=24, ignore_eos=True,

@@ -178,9 +178,9 @@ def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             return _sdpa_one_thread(query, keys, values, mask, scale, gqa)
         out = torch.empty_like(query)
         mask = mask.expand(B, *mask.shape[1:])
-        for rows in (slice(0, B // 2), slice(B // 2, B)):  # a row's bits do not depend on its batch
+        for half_rows in (slice(0, B // 2), slice(B // 2, B)):  # a row's bits do not depend on its batch
 
-            def half(rows: slice = rows) -> None:
+            def half(rows: slice = half_rows) -> None:
                 out[rows] = _sdpa_one_thread(query[rows], keys[rows], values[rows], mask[rows], scale, gqa)
 
             calls.append(half)
