@@ -8,8 +8,8 @@ takes seconds:
 3. the draft (`specwire distill --from-scratch`) into DIR/draft: a small Llama over the
    target's most frequent ids, from the cache plus the text's own next tokens;
 4. Medusa heads (`specwire train-medusa --teacher-cache`) into DIR/medusa;
-5. their tree (`tune_medusa_tree`), sized to the target's forward cost curve, into
-   DIR/medusa/choices.json: the target service's default tree for Medusa requests.
+5. their tree (`tune_medusa_tree`, the recipe's node count) into DIR/medusa/choices.json:
+   the target service's default tree for Medusa requests.
 
 The training text is the Python standard library's source (the demo pair's split), which every
 machine with Python has; the recipe per model is sized to finish within an hour on a 2-core CPU.
