@@ -5,7 +5,10 @@ changing a token, the slot cache frees its rows however a stream ends, and the t
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +23,7 @@ from specwire.client.sdk import GenerateResult, GenerationError, build_request
 from specwire.orchestrator.generation import Decoder
 from specwire.orchestrator.models import LocalModel
 
-from specwire.engine import CausalLM, Engine, EngineLimits, SlotKV
+from specwire.engine import CausalLM, Engine, EngineLimits, SlotKV, scheduler
 from specwire.engine.scheduler import ForwardJob, compute_on, score_selection
 from specwire.entropy_metrics import PositionMetrics, token_entropy
 from specwire.errors import ResourceExhausted
@@ -455,3 +458,26 @@ def test_a_thread_set_to_one_torch_thread_stays_there_when_another_sets_more() -
     finally:
         torch.set_num_threads(before)
     assert counts == {"session": 1, "forward": 2}
+
+
+@pytest.mark.skipif(scheduler._libgomp() is None, reason="torch's OpenMP runtime here is not libgomp")
+def test_a_thread_set_to_one_torch_thread_gives_back_its_openmp_workers() -> None:
+    """A thread that ran parallel loops on two threads (a model loaded on the main thread) keeps
+    an OpenMP worker, whose idle spinning slows every other thread's loops; `compute_on(1)` ends it."""
+    code = (
+        "import os, time, torch\n"
+        "from specwire.engine.scheduler import compute_on\n"
+        "tasks = lambda: len(os.listdir('/proc/self/task'))\n"
+        "torch.set_num_threads(2)\n"
+        "torch.ones(1 << 22).add_(1)\n"
+        "with_pool = tasks()\n"
+        "compute_on(1)\n"
+        "deadline = time.monotonic() + 5\n"
+        "while tasks() >= with_pool and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "print(with_pool - tasks())\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
+    assert run.returncode == 0, run.stderr
+    assert int(run.stdout) == 1  # the pool's one worker
