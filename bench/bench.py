@@ -198,6 +198,7 @@ class BenchConfig:
     prompts: list[str]
     quantize: str = "auto"  # the model services' --quantize
     target_threads: int = 0  # the target service's torch threads, and llama.cpp's; 0: all cores
+    draft_threads: int = 0  # the draft service's torch threads; 0: the cores the target leaves (at least 1)
     gguf: str | None = None  # the `llamacpp` row's model (default: the target's own GGUF)
     compile_wait_s: float = 3600.0  # longest wait for the target's compiled forwards before measuring
     start_timeout_s: float = 1200.0  # longest wait for a stack to be SERVING
@@ -769,7 +770,8 @@ def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple
     stack_configs: dict[str, StackConfig] = {}
     threads = config.target_threads or os.cpu_count() or 1
     common = StackConfig(target_model=config.target_model, device=config.device, dtype=config.dtype,
-                         quantize=config.quantize, target_threads=threads)
+                         quantize=config.quantize, target_threads=threads,
+                         draft_threads=config.draft_threads)
     common = replace(common, rtt_ms=config.rtt_ms)
     if needed & (set(SPECWIRE_PARAMS) - {"specwire_speculative_ngram"}):
         port = config.port or free_base_port()
@@ -950,6 +952,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             "target_quantization": target_info.quantization if target_info else None,
             "target_compiled": target_info.compiled if target_info else None,
             "target_threads": config.target_threads or os.cpu_count(),
+            "draft_threads": config.draft_threads or None,
             "llamacpp_gguf": home_as_tilde(str(llama.gguf)) if llama is not None else None,
             "seed": config.seed,
             "row_order_per_repeat": order_log,
@@ -1023,6 +1026,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantize", default="auto", help="the model services' --quantize (none, int8, int4, auto)")
     parser.add_argument("--target-threads", type=int, default=0, help="the target's torch threads and llama.cpp's (0: all cores)")
+    parser.add_argument("--draft-threads", type=int, default=0, help="the draft's torch threads (0: the launcher's share of the cores)")
     parser.add_argument("--gguf", help="the llamacpp row's GGUF (default: DIR/gguf/*.gguf of the target)")
     parser.add_argument("--compile-wait", type=float, default=3600.0,
                         help="seconds to wait for the target's compiled forwards before measuring")
@@ -1078,6 +1082,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         rtt_ms=args.rtt_ms,
         quantize=args.quantize,
         target_threads=args.target_threads,
+        draft_threads=args.draft_threads,
         gguf=args.gguf,
         command=args.command_line,
     )
