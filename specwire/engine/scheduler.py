@@ -656,9 +656,9 @@ def _release_openmp_pool() -> None:
     whose idle workers count against libgomp's spinning budget for every thread: in-process, an
     engine created on the main thread decoded Gemma-3-270M int8 at 32 ms a token, 18 ms once the
     main thread's pool was gone (its int4 draft: 3.0 → 1.4 ms a drafted token; 2 cores)."""
-    libgomp = _libgomp()
-    if libgomp is not None:
-        libgomp.omp_pause_resource_all(1)  # omp_pause_soft; the pool comes back if ever needed
+    pause = getattr(_libgomp(), "omp_pause_resource_all", None)  # libgomp from GCC 9 on
+    if pause is not None:
+        pause(1)  # omp_pause_soft; the pool comes back if ever needed
 
 
 def synchronize(device: torch.device) -> None:
