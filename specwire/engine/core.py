@@ -33,6 +33,11 @@ COMPILE_PAYS_ON: frozenset[str] = frozenset({"cpu"})
 # Warm-up timing (`Engine.measure_costs`, `Info.forward_costs`): forwards of this many new
 # positions, and greedy rounds of this many tokens.
 COST_POSITIONS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+# Fused greedy steps and the C++ kernel wrapper (`Scheduler.compile`) cut a compiled call's fixed
+# cost (~0.1 ms); a model whose eager decode step takes longer than this gains under 2% from them,
+# and for such a model they take the longest to compile (Gemma-3-270M on 2 cores: 4 shapes, one
+# of them fused, took 35 minutes with the C++ wrapper; one shape compiles in under a minute without).
+FUSE_BELOW_MS = 5.0
 DECODE_TOKENS = 8
 @dataclass(frozen=True)
 class EngineLimits:
@@ -163,7 +168,8 @@ class Engine:
         self._forward_costs, self._decode_ms_per_token = self.measure_costs()
         if self._compile_later and self.scheduler is not None:
             self._compile_later = False
-            self.scheduler.compile(background=True, on_ready=self._remeasure)
+            short = self._decode_ms_per_token < FUSE_BELOW_MS
+            self.scheduler.compile(background=True, on_ready=self._remeasure, short_steps=short)
 
     def _remeasure(self) -> None:
         """Compiled forwards cost less than the eager ones `warmup` timed: `Info` reports these."""

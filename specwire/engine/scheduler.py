@@ -141,15 +141,17 @@ class Scheduler:
         self._requested: set[Shape] = set()
         self._requests: queue.SimpleQueue[Shape] = queue.SimpleQueue()
 
-    def compile(self, background: bool = False, on_ready: Callable[[], None] | None = None) -> bool:
+    def compile(self, background: bool = False, on_ready: Callable[[], None] | None = None,
+                short_steps: bool = True) -> bool:
         """Run forwards through `torch.compile`, shape by shape as each is compiled. On failure
         log why and stay eager. `background`: serve eagerly meanwhile and compile on a thread of
         its own (a service is SERVING in seconds, and each shape turns fast once compiled);
         `on_ready` runs once the compiler is idle, on a thread of its own (`_when_gone`); in the
-        foreground, once the common shapes are compiled (`compiled`). CPU: with the fused greedy
-        steps (`greedy_steps`) and a C++ kernel wrapper, which cut a call's fixed cost; Gemma-3-270M
-        served, 16-token greedy rounds: 21 ms a token without them, 17.5 with. Returns False when
-        compilation failed (always True in the background, which reports through the log).
+        foreground, once the common shapes are compiled (`compiled`). `short_steps`: the
+        model's decode step is short enough for a call's fixed cost to matter, so compile the
+        fused greedy steps (`greedy_steps`) and a C++ kernel wrapper; both cut that cost, and
+        both take minutes more to compile for a long model. Returns False when compilation
+        failed (always True in the background, which reports through the log).
 
         CPU: graphs over symbolic shapes (rows, new tokens, slots looked at), so batches of any
         size run compiled code without recompiling; torch specialises sizes of 1, a run of
@@ -170,13 +172,13 @@ class Scheduler:
                 forward = torch.compile(self.model.forward, mode="reduce-overhead")
                 steps = None
             else:
-                # No per-call checks of sizes, strides and alignment; the wrapper that calls the
-                # kernels is C++ (Python's costs ~10 µs a kernel, and a Gemma-3 step has hundreds).
+                # No per-call checks of sizes, strides and alignment; for short steps, the
+                # wrapper that calls the kernels in C++: a decode step's ~30 µs of Python less.
                 checks_off = ("size_asserts", "scalar_asserts", "alignment_asserts")
-                options: dict[str, str | int | bool | Callable[..., Any]] = {"cpp_wrapper": True}
+                options: dict[str, str | int | bool | Callable[..., Any]] = {"cpp_wrapper": short_steps}
                 options.update(dict.fromkeys(checks_off, False))
                 forward = torch.compile(self.model.forward, dynamic=True, options=options)
-                steps = torch.compile(greedy_steps, dynamic=True, options=options)
+                steps = torch.compile(greedy_steps, dynamic=True, options=options) if short_steps else None
         except Exception as error:  # a compiler that cannot even start: serve eagerly
             log.warning("torch.compile failed, serving eagerly: %s: %s", type(error).__name__, error)
             return False
