@@ -34,9 +34,9 @@ COMPILE_PAYS_ON: frozenset[str] = frozenset({"cpu"})
 # positions, and greedy rounds of this many tokens.
 COST_POSITIONS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 # Fused greedy steps and the C++ kernel wrapper (`Scheduler.compile`) cut a compiled call's fixed
-# cost (~0.1 ms); a model whose eager decode step takes longer than this gains under 2% from them,
-# and for such a model they take the longest to compile (Gemma-3-270M on 2 cores: 4 shapes, one
-# of them fused, took 35 minutes with the C++ wrapper; one shape compiles in under a minute without).
+# cost (~0.1 ms); for a model whose eager decode step takes longer than this they take the longest
+# to compile (Gemma-3-270M on 2 cores: 4 shapes, one of them fused, took 35 minutes with the C++
+# wrapper; one shape compiles in under a minute without). docs/engine.md has what they gained there.
 FUSE_BELOW_MS = 5.0
 DECODE_TOKENS = 8
 @dataclass(frozen=True)
