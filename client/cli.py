@@ -663,6 +663,24 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 # The commands that start services as children (`specwire.client.launcher.Stack`).
 STACK_COMMANDS = {"up", "demo", "bench", "experiment", "soak", "startup-time"}
+# SIGTERM → exit within this many seconds, however the cleanup goes: `up` waits for its services'
+# drain (`Stack.stop`'s 10 s grace), the others only stop what they started.
+STOP_BACKSTOP_S = {"up": 15}
+STOP_BACKSTOP_DEFAULT_S = 3
+
+
+def interrupt_on_sigterm(backstop_s: int) -> None:
+    """SIGTERM raises KeyboardInterrupt in the main thread, as Ctrl-C does, so the stacks started
+    stop on the way out. A KeyboardInterrupt raised while a finaliser runs is printed and dropped,
+    so the signal also arms SIGALRM with its default action: the kernel ends the process after
+    `backstop_s` with no Python involved, and the services' lifelines stop them."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(backstop_s)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "report": report.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "startup-time": startup.run, "distill": distill.run, "train-medusa": train_medusa.main, "teacher-cache": teacher_cache.run, "pair": pair.run, "models": model_zoo.run, "quality": quality.run, "draft-quality": draft_quality.run}
 
 
@@ -672,8 +690,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.command_line = shlex.join(["specwire", *argv])  # recorded with measurements (`bench`)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     if args.command in STACK_COMMANDS:
-        # SIGTERM ends the command as Ctrl-C does, so the stacks it started stop on the way out.
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        interrupt_on_sigterm(STOP_BACKSTOP_S.get(args.command, STOP_BACKSTOP_DEFAULT_S))
     try:
         return COMMANDS[args.command](args)
     except GenerationError as error:

@@ -294,8 +294,31 @@ def test_no_child_of_bench_outlives_bench(
     processes.append(bench)
     bench.wait_for(lambda: len(descendants(bench.popen.pid)) >= 2)  # target and draft spawned
     children = descendants(bench.popen.pid)
-    assert bench.exit_s_after(sig) < STOP_WITHIN_S
+    assert bench.exit_s_after(sig) < STOP_WITHIN_S, bench.output()
     assert not survivors_after(children, STOP_WITHIN_S)
+
+
+def test_sigterm_ends_a_stack_command_even_when_its_interrupt_is_swallowed() -> None:
+    """A KeyboardInterrupt raised inside a finaliser is printed and dropped; the kernel's alarm,
+    armed by the signal, still ends the process."""
+    code = (
+        "import time\n"
+        "from specwire.client.cli import interrupt_on_sigterm\n"
+        "interrupt_on_sigterm(1)\n"
+        "print('ready', flush=True)\n"
+        "while True:\n"
+        "    try:\n"
+        "        time.sleep(0.05)\n"
+        "    except KeyboardInterrupt:\n"
+        "        print('swallowed', flush=True)\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline() == "ready\n"
+    sent = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == -signal.SIGALRM
+    assert 1.0 <= time.monotonic() - sent < 1.0 + 2
+    assert process.stdout.read() == "swallowed\n"
 
 
 # -- time to SERVING ------------------------------------------------------------------------------
