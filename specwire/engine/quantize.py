@@ -7,6 +7,11 @@ the embedding, which stays as it is) for one of:
 - `int4`: 4-bit weights in groups of 32 along the input, each group with its own scale and
   zero point, w = (q − 8)·s + z; activations in bfloat16 (`torch._weight_int4pack_mm_for_cpu`,
   whose float32 path is ~20× slower here).
+- `w4a8`: 4-bit weights, symmetric in groups of W4A8_GROUP inputs (or 64 or 32 where the input
+  size asks), times activations quantised
+  per row to int8, through the project's AVX2 kernel (`w4a8.cpp`, built on first use):
+  the int8 dot products of llama.cpp's Q4 × Q8 formats, on a CPU without AVX-512 VNNI where
+  oneDNN's int8 GEMM is slow.
 `auto` picks what measured fastest for the device and the model's size (docs/engine.md,
 "Quantised weights"): on CPU none, int4 or int8 as the weights grow; none (bfloat16) on CUDA.
 Outputs then differ from the float model's, by an amount measured (`specwire quality`), but
@@ -16,6 +21,7 @@ never between a session's solo and batched runs.
 from __future__ import annotations
 
 import logging
+import subprocess
 from typing import Any, cast
 
 import torch
@@ -23,11 +29,12 @@ from torch import nn
 
 log = logging.getLogger("specwire")
 
-MODES = ("none", "int8", "int4", "auto")
+MODES = ("none", "int8", "int4", "w4a8", "auto")
 # Modes that round activations (int8 per row, int4 through bfloat16): ~1e-7 differences upstream
 # can flip a rounding, so the engine keeps each row's arithmetic independent of its batch.
-ACTIVATION_QUANTISED = ("int8", "int4")
+ACTIVATION_QUANTISED = ("int8", "int4", "w4a8")
 INT4_GROUP = 32
+W4A8_GROUP = 128
 
 
 # `auto` on CPU, by the bytes of float linear weights (docs/engine.md, "Quantised weights"; AMD
@@ -59,6 +66,8 @@ def resolve(mode: str, device: torch.device, model: nn.Module | None = None) -> 
         return "int4" if grouped and (size < AUTO_INT8_BYTES or not onednn) else "int8" if onednn else "none"
     if mode != "none" and device.type != "cpu":
         raise ValueError(f"--quantize {mode} runs on CPU (oneDNN / int4 CPU kernels); on {device.type} use none")
+    if mode == "w4a8":
+        w4a8_kernel()  # fails here, with its reason, rather than at the first forward
     return mode
 
 
@@ -155,6 +164,81 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {INT4_GROUP}"
 
 
+class W4A8Linear(nn.Module):
+    """4-bit weights (symmetric, groups of W4A8_GROUP inputs: w = (u − 8)·s) times int8
+    activations (per row, as Int8Linear's: q = round(127·x/a)), summed in int32 per group."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w4a8_kernel()
+        weight = linear.weight.detach().float()
+        out_features, in_features = weight.shape
+        if in_features % 32:
+            raise ValueError(f"w4a8 needs input sizes divisible by 32, got {in_features}")
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.group = next(size for size in (W4A8_GROUP, 64, 32) if in_features % size == 0)
+        groups = weight.view(out_features, in_features // self.group, self.group)
+        scales = (groups.abs().amax(dim=-1) / 7).clamp(min=1e-12)  # [out, groups]
+        unsigned = (torch.round(groups / scales[..., None]).clamp(-7, 7) + 8).to(torch.uint8)
+        blocks = unsigned.view(out_features, in_features // 32, 32)
+        self.packed: torch.Tensor
+        self.scales: torch.Tensor
+        self.register_buffer("packed", (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(out_features, -1).contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float()
+        amax = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
+        q = torch.round(flat / amax * 127).to(torch.int8)
+        qsum8 = q.view(q.shape[0], -1, self.group).sum(dim=-1, dtype=torch.int32).float() * 8
+        out = torch.ops.specwire.w4a8_linear(q, qsum8, (amax / 127).view(-1), self.packed, self.scales, self.group)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, w4a8 groups of {self.group}"
+
+
+_W4A8: Any = None
+
+
+def w4a8_kernel() -> Any:
+    """The compiled kernel, registered as `torch.ops.specwire.w4a8_linear` (opaque to the
+    compiler, which sees its output's shape). Built once per source and torch version
+    (torch's extension cache); needs a C++ compiler and AVX2, as compiled CPU forwards do."""
+    global _W4A8
+    if _W4A8 is not None:
+        return _W4A8
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
+        raise ValueError(f"--quantize w4a8 needs a CPU with AVX2; this one offers {torch.backends.cpu.get_cpu_capability()}")
+    from pathlib import Path
+
+    from torch.utils import cpp_extension
+
+    try:
+        module = cpp_extension.load(
+            "specwire_w4a8", [str(Path(__file__).with_name("w4a8.cpp"))],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off"], verbose=False,
+        )
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
+        raise ValueError(f"--quantize w4a8: its kernel did not build ({error})") from error
+
+    @torch.library.custom_op("specwire::w4a8_linear", mutates_args=())
+    def w4a8_linear(q: torch.Tensor, qsum8: torch.Tensor, row_scale: torch.Tensor, packed: torch.Tensor,
+                    scales: torch.Tensor, group: int) -> torch.Tensor:
+        return cast(torch.Tensor, module.w4a8_linear(q, qsum8, row_scale, packed, scales, group))
+
+    @w4a8_linear.register_fake
+    def _(q: torch.Tensor, qsum8: torch.Tensor, row_scale: torch.Tensor, packed: torch.Tensor,
+          scales: torch.Tensor, group: int) -> torch.Tensor:
+        return q.new_empty((q.shape[0], packed.shape[0]), dtype=torch.float32)
+
+    _W4A8 = module
+    return module
+
+
 # Projections of one input in the attention and MLP blocks of Llama-like models: as one int8
 # GEMM they read their weights in one oneDNN call instead of two or three (each call has a fixed
 # cost of ~25 µs here, and a decode step of Gemma-3-270M makes 126 of them).
@@ -166,7 +250,7 @@ class _SharedProduct:
     taken its part, so no tensor outlives the forward (nor becomes state a compiled graph
     guards on)."""
 
-    def __init__(self, linear: Int8Linear, sizes: list[int]) -> None:
+    def __init__(self, linear: Int8Linear | W4A8Linear, sizes: list[int]) -> None:
         self.linear, self.sizes = linear, sizes
         self.input: torch.Tensor | None = None
         self.parts: list[torch.Tensor | None] = []
@@ -183,10 +267,9 @@ class _SharedProduct:
 
 
 class SharedInputLinear(nn.Module):
-    """One of several int8 projections of the same input, computed in one GEMM: the first of
-    them called with an input runs it, the others take their columns. Each output equals its
-    own Int8Linear's bit for bit: the GEMM's integer sums and the per-channel scales are per
-    column."""
+    """One of several int8 or w4a8 projections of the same input, computed in one GEMM: the
+    first of them called with an input runs it, the others take their columns. Each output
+    equals its own layer's bit for bit: the integer sums and the scales are per column."""
 
     def __init__(self, product: _SharedProduct, index: int) -> None:
         super().__init__()
@@ -198,11 +281,12 @@ class SharedInputLinear(nn.Module):
         return self.product.take(x, self.index)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8, part {self.index}"
+        kind = "int8" if isinstance(self.product.linear, Int8Linear) else "w4a8"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}, part {self.index}"
 
 
-def _fuse_shared_inputs(model: nn.Module) -> int:
-    """Replace each SHARED_INPUT group of int8 projections without bias by one GEMM."""
+def _fuse_shared_inputs(model: nn.Module, kind: type[Int8Linear] | type[W4A8Linear]) -> int:
+    """Replace each SHARED_INPUT group of projections without bias by one `kind` GEMM."""
     fused = 0
     for parent in model.modules():
         for names in SHARED_INPUT:
@@ -214,7 +298,7 @@ def _fuse_shared_inputs(model: nn.Module) -> int:
             weight = torch.cat([layer.weight.detach() for layer in layers])
             joined = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
             joined.weight = nn.Parameter(weight, requires_grad=False)
-            product = _SharedProduct(Int8Linear(joined), [layer.out_features for layer in layers])
+            product = _SharedProduct(kind(joined), [layer.out_features for layer in layers])
             for index, name in enumerate(names):
                 setattr(parent, name, SharedInputLinear(product, index))
             fused += 1
@@ -232,13 +316,13 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 def quantize(model: Any, mode: str) -> int:
-    """Swap the model's linear layers for `mode`'s (int8 or int4), in place; the number swapped."""
+    """Swap the model's linear layers for `mode`'s (int8, int4 or w4a8), in place; the number swapped."""
     if mode == "none":
         return 0
-    kind = {"int8": Int8Linear, "int4": Int4Linear}[mode]
+    kind = {"int8": Int8Linear, "int4": Int4Linear, "w4a8": W4A8Linear}[mode]
     count = len(_linears(model))
     with torch.no_grad():
-        groups = _fuse_shared_inputs(model) if mode == "int8" else 0
+        groups = _fuse_shared_inputs(model, kind) if kind is not Int4Linear else 0
         for parent, name, linear in _linears(model):
             setattr(parent, name, kind(linear))
     log.info("quantised %d linear layers to %s (%d groups of projections of one input fused)", count, mode, groups)
