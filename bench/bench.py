@@ -1024,7 +1024,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--draft-model", help="draft model directory (default: TARGET/draft if there, else the demo draft)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantize", default="auto", help="the model services' --quantize (none, int8, int4, auto)")
+    parser.add_argument("--quantize", default="auto", help="the model services' --quantize (none, int8, int4, w4a8, auto)")
     parser.add_argument("--target-threads", type=int, default=0, help="the target's torch threads and llama.cpp's (0: all cores)")
     parser.add_argument("--draft-threads", type=int, default=0, help="the draft's torch threads (0: the launcher's share of the cores)")
     parser.add_argument("--gguf", help="the llamacpp row's GGUF (default: DIR/gguf/*.gguf of the target)")

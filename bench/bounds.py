@@ -192,7 +192,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--streams", type=lambda text: [int(n) for n in text.split(",")], default=[STREAMS],
                         help="decode steps of this many rows are timed, comma-separated (1 always)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a service's share of the cores)")
-    parser.add_argument("--quantize", default="auto", help="both models' --quantize (none, int8, int4, auto)")
+    parser.add_argument("--quantize", default="auto", help="both models' --quantize (none, int8, int4, w4a8, auto)")
     parser.add_argument("--repeats", type=int, default=31)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", help="also write the JSON report here")

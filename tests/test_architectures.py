@@ -22,7 +22,7 @@ from specwire.orchestrator.models import LocalModel
 
 from specwire.engine import CausalLM, Engine, EngineLimits
 from specwire.engine.forward import HFForward
-from specwire.engine.quantize import Int4Linear, Int8Linear
+from specwire.engine.quantize import Int4Linear, Int8Linear, W4A8Linear
 from specwire.session import OpenRequest, ScoreKind, Scoring
 from tests.conftest import gemma_dir, hf_model
 from tests.tiny import save_gemma3, save_gpt2, save_llama, save_mistral, save_qwen2, save_qwen3
@@ -104,7 +104,10 @@ def prompt_logits(backend: Engine, prompt_ids: list[int]) -> torch.Tensor:
     return opened.scores.dense  # [positions, vocab]
 
 
-@pytest.mark.parametrize("mode, kind, cosine", [("int8", Int8Linear, 0.995), ("int4", Int4Linear, 0.95)])
+# The cosine bounds: random weights at 4 bits, w4a8 with one scale per 64 or 128 of them.
+@pytest.mark.parametrize(
+    "mode, kind, cosine", [("int8", Int8Linear, 0.995), ("int4", Int4Linear, 0.95), ("w4a8", W4A8Linear, 0.9)]
+)
 def test_quantised_outputs_equal_their_solo_runs_under_batching(
     models_dir: Path, tokenizer: Any, mode: str, kind: type, cosine: float
 ) -> None:
@@ -130,8 +133,9 @@ def test_auto_quantisation_leaves_a_model_that_fits_in_cache_in_float(arch_dir: 
 
 
 def test_auto_quantisation_picks_by_the_linear_weights_bytes() -> None:
-    """none in cache, int4 for mid-sized models (int8 where a width is not in groups of 32),
-    int8 for large ones; none on CUDA. Sizes only: the weights live on the meta device."""
+    """none in cache; with AVX-512 int4 for mid-sized models (int8 where a width is not in
+    groups of 32) and int8 for large ones; with AVX2 only, w4a8; none on CUDA. Sizes only: the
+    weights live on the meta device."""
     from torch import nn
 
     from specwire.engine import quantize
@@ -140,11 +144,40 @@ def test_auto_quantisation_picks_by_the_linear_weights_bytes() -> None:
         return nn.Sequential(nn.Linear(in_features, int(mib * 2**20 / 4 / in_features), bias=False, device="meta"))
 
     cpu = torch.device("cpu")
-    assert quantize.resolve("auto", cpu, model(31)) == "none"
-    assert quantize.resolve("auto", cpu, model(48)) == "int4"
-    assert quantize.resolve("auto", cpu, model(48, in_features=688)) == "int8"
-    assert quantize.resolve("auto", cpu, model(300)) == "int8"
+    assert quantize.resolve("auto", cpu, model(31), "AVX512") == "none"
+    assert quantize.resolve("auto", cpu, model(48), "AVX512") == "int4"
+    assert quantize.resolve("auto", cpu, model(48, in_features=688), "AVX512") == "int8"
+    assert quantize.resolve("auto", cpu, model(300), "AVX512") == "int8"
+    # Without AVX-512 (so without VNNI) oneDNN's int8 is slow: the AVX2 w4a8 kernel.
+    assert quantize.resolve("auto", cpu, model(31), "AVX2") == "none"
+    assert quantize.resolve("auto", cpu, model(48), "AVX2") == "w4a8"
+    assert quantize.resolve("auto", cpu, model(300), "AVX2") == "w4a8"
+    assert quantize.resolve("auto", cpu, model(48, in_features=688), "AVX2") == "int8"
     assert quantize.resolve("auto", torch.device("cuda"), model(300)) == "none"
+
+
+def test_w4a8_equals_its_formula_for_every_row_alone_and_compiled() -> None:
+    """The kernel against the same sum in float64 from its packed weights and scales:
+    y = (a/127) Σ_g s_g Σ_k (u − 8)·round(127 x/a), a = max |x| per row; a row alone, in a batch
+    and through torch.compile gives the same bits."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    for in_features, out_features in ((640, 1000), (96, 40), (256, 33)):
+        linear = nn.Linear(in_features, out_features)
+        layer = W4A8Linear(linear)
+        x = torch.randn(7, in_features) * torch.logspace(-2, 2, 7)[:, None]
+        y = layer(x)
+        rows = layer.packed.shape[0]
+        low, high = (layer.packed & 15).view(rows, -1, 16), (layer.packed >> 4).view(rows, -1, 16)
+        unsigned = torch.cat([low, high], dim=-1).reshape(rows, -1).double()
+        weight = ((unsigned - 8).view(rows, -1, layer.group) * layer.scales.double()[..., None]).view(rows, -1)
+        amax = x.double().abs().amax(dim=1, keepdim=True)
+        expected = torch.round(x.double() / amax * 127) * amax / 127 @ weight.T + linear.bias.double()
+        assert (y.double() - expected).abs().max() < 1e-5 * expected.abs().max()
+        assert (weight - linear.weight.double()).abs().max() <= layer.scales.abs().max() + 1e-6  # w rounded, or clamped at 7
+        assert torch.equal(torch.cat([layer(row[None]) for row in x]), y)
+        assert torch.equal(torch.compile(layer, fullgraph=True)(x), y)
 
 
 def test_an_unknown_quantisation_is_refused_naming_the_flag(arch_dir: Path) -> None:

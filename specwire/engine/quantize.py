@@ -7,8 +7,8 @@ the embedding, which stays as it is) for one of:
 - `int4`: 4-bit weights in groups of 32 along the input, each group with its own scale and
   zero point, w = (q − 8)·s + z; activations in bfloat16 (`torch._weight_int4pack_mm_for_cpu`,
   whose float32 path is ~20× slower here).
-- `w4a8`: 4-bit weights, symmetric in groups of W4A8_GROUP inputs (or 64 or 32 where the input
-  size asks), times activations quantised
+- `w4a8`: 4-bit weights in groups of W4A8_GROUP inputs (or 64 or 32 where the input size asks),
+  one scale a group, times activations quantised
   per row to int8, through the project's AVX2 kernel (`w4a8.cpp`, built on first use):
   the int8 dot products of llama.cpp's Q4 × Q8 formats, on a CPU without AVX-512 VNNI where
   oneDNN's int8 GEMM is slow.
@@ -37,8 +37,11 @@ INT4_GROUP = 32
 W4A8_GROUP = 128
 
 
-# `auto` on CPU, by the bytes of float linear weights (docs/engine.md, "Quantised weights"; AMD
-# EPYC, 2 cores, a decode step at 1 / 4 / 8 rows). Below AUTO_MIN_BYTES none: the weights sit in
+# `auto` on a CPU with AVX2 but not AVX-512: w4a8 from AUTO_MIN_BYTES. There oneDNN's int8 GEMM
+# has no VNNI and is slow: Gemma-3-270M's LM head at 1 / 8 rows, 61.9 / 122 ms int8, 15.4 / 58.4
+# int4, 7.9 / 25.9 w4a8 (AMD EPYC without AVX-512, 2 threads). Elsewhere `auto` on CPU goes by
+# the bytes of float linear weights (docs/engine.md, "Quantised weights"; AMD EPYC with
+# AVX-512, 2 cores, a decode step at 1 / 4 / 8 rows). Below AUTO_MIN_BYTES none: the weights sit in
 # the caches and a step is bound by arithmetic (the 16 MiB demo target: 3.10 / 4.50 / 5.39 ms
 # float32, 3.26 / 3.92 / 4.64 int8). Then int4 (the 48 MiB Gemma-3 draft: 6.84 / 10.72 / 14.03
 # float32, 4.12 / 5.48 / 7.46 int8, 2.55 / 3.84 / 6.74 int4); from AUTO_INT8_BYTES int8, whose
@@ -52,9 +55,10 @@ def linear_bytes(model: nn.Module) -> int:
     return sum(linear.weight.numel() * linear.weight.element_size() for _, _, linear in _linears(model))
 
 
-def resolve(mode: str, device: torch.device, model: nn.Module | None = None) -> str:
-    """`auto` → the fastest measured mode for `device` and the model's size; others are
-    checked against the device."""
+def resolve(mode: str, device: torch.device, model: nn.Module | None = None, capability: str | None = None) -> str:
+    """`auto` → the fastest measured mode for `device`, its CPU's vector instructions
+    (`capability`, torch's name: AVX2, AVX512, ...) and the model's size; others are checked
+    against the device."""
     if mode not in MODES:
         raise ValueError(f"--quantize must be one of {', '.join(MODES)}; got {mode!r}")
     if mode == "auto":
@@ -62,6 +66,9 @@ def resolve(mode: str, device: torch.device, model: nn.Module | None = None) -> 
         if device.type != "cpu" or size < AUTO_MIN_BYTES:
             return "none"
         grouped = all(linear.in_features % INT4_GROUP == 0 for _, _, linear in _linears(cast(nn.Module, model)))
+        capability = capability or torch.backends.cpu.get_cpu_capability()
+        if grouped and capability == "AVX2" and w4a8_builds():
+            return "w4a8"
         onednn = torch.backends.mkldnn.is_available()
         return "int4" if grouped and (size < AUTO_INT8_BYTES or not onednn) else "int8" if onednn else "none"
     if mode != "none" and device.type != "cpu":
@@ -87,6 +94,9 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         _compile_as_a_call()
+        # Without AVX-512 oneDNN sums u8·s8 pairs in int16 (vpmaddubsw), which saturates past
+        # 32,767: activations then take 7 bits, q_x = round(63·x/a) + 64 (2·127·127 fits).
+        self.levels = 127 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 63
         weight = linear.weight.detach().float()  # [out, in]
         self.in_features, self.out_features = int(weight.shape[1]), int(weight.shape[0])
         scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)  # symmetric, per output channel
@@ -96,7 +106,7 @@ class Int8Linear(nn.Module):
         self.ones: torch.Tensor
         self.zeros: torch.Tensor
         self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(qweight, [1, self.in_features]))
-        self.register_buffer("out_scales", scales / 127)  # s_w · (1/127), applied after the GEMM
+        self.register_buffer("out_scales", scales / self.levels)  # s_w / levels, applied after the GEMM
         self.register_buffer("ones", torch.ones(self.out_features))
         self.register_buffer("zeros", torch.zeros(self.out_features, dtype=torch.long))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
@@ -104,12 +114,13 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
         amax = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)  # [rows, 1]
-        qx = torch.round(flat / amax * 127).add(128).to(torch.uint8)
+        zero = self.levels + 1
+        qx = torch.round(flat / amax * self.levels).add(zero).to(torch.uint8)
         # The GEMM gives the integer sums (as float32, scales 1); the scales are applied here.
         # oneDNN applies them differently for one row than for several at small output widths
         # (≤ 256 here), which would make a row's output depend on its batch.
         acc = torch.ops.onednn.qlinear_pointwise(
-            qx, 1.0, 128, self.packed, self.ones, self.zeros, None, 1.0, 0, torch.float32, "none", [], ""
+            qx, 1.0, zero, self.packed, self.ones, self.zeros, None, 1.0, 0, torch.float32, "none", [], ""
         )
         out = acc * self.out_scales * amax
         if self.bias is not None:
@@ -165,7 +176,7 @@ class Int4Linear(nn.Module):
 
 
 class W4A8Linear(nn.Module):
-    """4-bit weights (symmetric, groups of W4A8_GROUP inputs: w = (u − 8)·s) times int8
+    """4-bit weights (groups of W4A8_GROUP inputs, one scale each: w = (u − 8)·s) times int8
     activations (per row, as Int8Linear's: q = round(127·x/a)), summed in int32 per group."""
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -178,8 +189,11 @@ class W4A8Linear(nn.Module):
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.group = next(size for size in (W4A8_GROUP, 64, 32) if in_features % size == 0)
         groups = weight.view(out_features, in_features // self.group, self.group)
-        scales = (groups.abs().amax(dim=-1) / 7).clamp(min=1e-12)  # [out, groups]
-        unsigned = (torch.round(groups / scales[..., None]).clamp(-7, 7) + 8).to(torch.uint8)
+        # All 16 levels: the weight of largest magnitude maps to −8 (as llama.cpp's Q4_0 does).
+        extreme = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)  # [out, groups]
+        scales = extreme / -8
+        scales = torch.where(scales.abs() < 1e-12, torch.full_like(scales, 1e-12), scales)
+        unsigned = (torch.round(groups / scales[..., None]).clamp(-8, 7) + 8).to(torch.uint8)
         blocks = unsigned.view(out_features, in_features // 32, 32)
         self.packed: torch.Tensor
         self.scales: torch.Tensor
@@ -202,6 +216,15 @@ class W4A8Linear(nn.Module):
 
 
 _W4A8: Any = None
+
+
+def w4a8_builds() -> bool:
+    try:
+        w4a8_kernel()
+    except ValueError as error:
+        log.warning("%s; auto quantisation goes on without it", error)
+        return False
+    return True
 
 
 def w4a8_kernel() -> Any:
@@ -322,7 +345,7 @@ def quantize(model: Any, mode: str) -> int:
     kind = {"int8": Int8Linear, "int4": Int4Linear, "w4a8": W4A8Linear}[mode]
     count = len(_linears(model))
     with torch.no_grad():
-        groups = _fuse_shared_inputs(model, kind) if kind is not Int4Linear else 0
+        groups = 0 if mode == "int4" else _fuse_shared_inputs(model, W4A8Linear if mode == "w4a8" else Int8Linear)
         for parent, name, linear in _linears(model):
             setattr(parent, name, kind(linear))
     log.info("quantised %d linear layers to %s (%d groups of projections of one input fused)", count, mode, groups)
