@@ -34,7 +34,7 @@ MODES = ("none", "int8", "int4", "w4a8", "auto")
 # can flip a rounding, so the engine keeps each row's arithmetic independent of its batch.
 ACTIVATION_QUANTISED = ("int8", "int4", "w4a8")
 INT4_GROUP = 32
-W4A8_GROUP = 128
+W4A8_GROUP = 128  # at most 128: the kernel sums a group in int16
 
 
 # `auto` on a CPU with AVX2 but not AVX-512: w4a8 from AUTO_MIN_BYTES. There oneDNN's int8 GEMM
@@ -243,7 +243,9 @@ def w4a8_kernel() -> Any:
     try:
         module = cpp_extension.load(
             "specwire_w4a8", [str(Path(__file__).with_name("w4a8.cpp"))],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off"], verbose=False,
+            # -fopenmp: at::parallel_for's OpenMP loop is compiled here, from torch's headers.
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            verbose=False,
         )
     except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
         raise ValueError(f"--quantize w4a8: its kernel did not build ({error})") from error

@@ -39,6 +39,8 @@ void rows(const int8_t* q, const float* qsum8, const float* row_scale, const uin
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
+      // A pair of products is at most 2·15·127 = 3810 in magnitude, so a group's ≤ 4 blocks
+      // add up in int16 (≤ 15,240) and widen to int32 once a group.
       __m256i sums[R];
       for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
       for (int64_t b = 0; b < blocks; ++b) {
@@ -46,11 +48,12 @@ void rows(const int8_t* q, const float* qsum8, const float* row_scale, const uin
         const __m256i w = unpack_block(wn + k / 2);
         for (int r = 0; r < R; ++r) {
           const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + k));
-          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+          sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(w, x));
         }
       }
       const __m256 s = _mm256_set1_ps(sn[g]);
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), s, acc[r]);
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones)), s, acc[r]);
     }
     for (int r = 0; r < R; ++r) {
       float offset = 0.f;
@@ -65,7 +68,8 @@ torch::Tensor w4a8_linear(const torch::Tensor& q, const torch::Tensor& qsum8, co
   TORCH_CHECK(q.dtype() == torch::kInt8 && q.is_contiguous() && q.dim() == 2, "q: contiguous int8 [rows, in]");
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous(), "packed: contiguous uint8 [out, in/2]");
   const int64_t M = q.size(0), K = q.size(1), N = packed.size(0);
-  TORCH_CHECK(group % 32 == 0 && K % group == 0 && packed.size(1) * 2 == K, "sizes: in % group, group % 32");
+  TORCH_CHECK(group % 32 == 0 && group <= 128 && K % group == 0 && packed.size(1) * 2 == K,
+              "sizes: group a multiple of 32 up to 128, dividing in");
   TORCH_CHECK(qsum8.is_contiguous() && row_scale.is_contiguous() && scales.is_contiguous(), "contiguous inputs");
   auto y = torch::empty({M, N}, q.options().dtype(torch::kFloat32));
   const int8_t* qp = q.data_ptr<int8_t>();
