@@ -8,10 +8,9 @@ the embedding, which stays as it is) for one of:
   zero point, w = (q − 8)·s + z; activations in bfloat16 (`torch._weight_int4pack_mm_for_cpu`,
   whose float32 path is ~20× slower here).
 - `w4a8`: 4-bit weights in groups of W4A8_GROUP inputs (or 64 or 32 where the input size asks),
-  one scale a group, times activations quantised
-  per row to int8, through the project's AVX2 kernel (`w4a8.cpp`, built on first use):
-  the int8 dot products of llama.cpp's Q4 × Q8 formats, on a CPU without AVX-512 VNNI where
-  oneDNN's int8 GEMM is slow.
+  one scale a group, times activations quantised per row to int8, through the project's AVX2
+  kernel (`w4a8.cpp`, built on first use): the int8 dot products of llama.cpp's Q4 × Q8 formats,
+  for CPUs without AVX-512 VNNI, where oneDNN's int8 GEMM is slow.
 `auto` picks what measured fastest for the device and the model's size (docs/engine.md,
 "Quantised weights"): on CPU none, int4 or int8 as the weights grow; none (bfloat16) on CUDA.
 Outputs then differ from the float model's, by an amount measured (`specwire quality`), but
@@ -82,7 +81,8 @@ class Int8Linear(nn.Module):
     """oneDNN's int8 linear over per-channel int8 weights, with activations quantised per row,
     so that a row's output never depends on the other rows of its batch.
 
-    Each row is scaled to max |x| = 1 and quantised with one fixed scale, 1/127, around 128:
+    Each row is scaled to max |x| = 1 and quantised with one fixed scale, 1/127, around 128
+    (1/63 around 64 without AVX-512):
     q_x = round(127·x/a) + 128 with a = max |x| per row; then y = ((q_x − 128)·q_wᵀ)·(s_w/127)·a + b,
     the integer sums from the GEMM and every scale applied elementwise, so each row's bits are
     the same in any batch.
