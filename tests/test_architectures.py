@@ -267,8 +267,9 @@ def test_an_int8_linear_gives_a_row_the_same_bits_in_any_batch(out_features: int
     assert all(torch.equal(layer(x[:rows])[:1], alone) for rows in (2, 3, 8, 32))
 
 
-def test_int8_projections_of_one_input_run_as_one_gemm_with_the_same_bits() -> None:
-    """q/k/v and gate/up of each layer become one int8 GEMM whose parts equal the separate
+@pytest.mark.parametrize("mode", ["int8", "w4a8"])
+def test_projections_of_one_input_run_as_one_gemm_with_the_same_bits(mode: str) -> None:
+    """q/k/v and gate/up of each layer become one int8 (w4a8) GEMM whose parts equal the separate
     layers' outputs bit for bit, and the shared product holds no tensor after the forward."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -280,16 +281,18 @@ def test_int8_projections_of_one_input_run_as_one_gemm_with_the_same_bits() -> N
     model = LlamaForCausalLM(config).eval()
     separate = LlamaForCausalLM(config).eval()
     separate.load_state_dict(model.state_dict())
-    quantize.quantize(model, "int8")
+    quantize.quantize(model, mode)
     fuse = quantize._fuse_shared_inputs
-    quantize._fuse_shared_inputs = lambda module: 0
+    quantize._fuse_shared_inputs = lambda module, kind: 0
     try:
-        quantize.quantize(separate, "int8")
+        quantize.quantize(separate, mode)
     finally:
         quantize._fuse_shared_inputs = fuse
     attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert isinstance(attention.k_proj, quantize.SharedInputLinear) and isinstance(mlp.up_proj, quantize.SharedInputLinear)
-    assert isinstance(separate.model.layers[0].self_attn.k_proj, quantize.Int8Linear)
+    kind = quantize.Int8Linear if mode == "int8" else quantize.W4A8Linear
+    assert isinstance(attention.k_proj.product.linear, kind)
+    assert isinstance(separate.model.layers[0].self_attn.k_proj, kind)
     ids = torch.randint(0, 96, (3, 7))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, separate(ids).logits)
