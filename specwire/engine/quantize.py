@@ -236,9 +236,15 @@ def w4a8_kernel() -> Any:
         return _W4A8
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
         raise ValueError(f"--quantize w4a8 needs a CPU with AVX2; this one offers {torch.backends.cpu.get_cpu_capability()}")
+    import os
+    import shutil
+    import sysconfig
     from pathlib import Path
 
     from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:  # torch's builder runs `ninja`; the pip one sits beside python
+        os.environ["PATH"] = sysconfig.get_path("scripts") + os.pathsep + os.environ.get("PATH", "")
 
     try:
         module = cpp_extension.load(
