@@ -12,7 +12,8 @@ the embedding, which stays as it is) for one of:
   kernel (`w4a8.cpp`, built on first use): the int8 dot products of llama.cpp's Q4 × Q8 formats,
   for CPUs without AVX-512 VNNI, where oneDNN's int8 GEMM is slow.
 `auto` picks what measured fastest for the device and the model's size (docs/engine.md,
-"Quantised weights"): on CPU none, int4 or int8 as the weights grow; none (bfloat16) on CUDA.
+"Quantised weights"): on CPU none, then w4a8 without AVX-512, or int4 or int8 as the weights
+grow with it; none (bfloat16) on CUDA.
 Outputs then differ from the float model's, by an amount measured (`specwire quality`), but
 never between a session's solo and batched runs.
 """

@@ -1,7 +1,7 @@
 // 4-bit weights × 8-bit activations for x86 with AVX2 (docs/engine.md, "Quantised weights").
 //
 // y[r, n] = (a_r / 127) · Σ_g s[n, g] · Σ_{k ∈ g} (u[n, k] − 8) · q[r, k]
-//   u: unsigned 4-bit weights (1..15), groups of G inputs sharing the scale s[n, g];
+//   u: unsigned 4-bit weights (0..15), groups of G inputs sharing the scale s[n, g];
 //   q: the row's activations as int8 (q = round(127 x / a), a = max |x| of the row).
 // Σ (u − 8)·q = Σ u·q − 8·Σ q: vpmaddubsw takes u (unsigned) times q (signed) in pairs, and the
 // 8·Σ_g q terms come in precomputed per row and group (`qsum8`).
