@@ -189,6 +189,11 @@ SPECWIRE_PARAMS: dict[str, dict[str, Any]] = {
 }
 ROW_NAMES = [row.name for row in ROWS]
 MEDUSA_ROWS = [name for name, params in SPECWIRE_PARAMS.items() if params["strategy"] == "medusa"]
+# Rows whose proposals come from the draft model.
+MODEL_DRAFTED_ROWS = {
+    name for name, params in SPECWIRE_PARAMS.items()
+    if params["strategy"] == "speculative" or "num_speculative_tokens" in params
+} - {"specwire_speculative_ngram"}
 
 
 @dataclass(frozen=True)
@@ -765,8 +770,9 @@ def home_as_tilde(text: str) -> str:
     return text.replace(str(Path.home()) + os.sep, "~" + os.sep)
 
 
-def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple[dict[str, Stack], dict[str, str]]:
-    """The model-drafter stack and the n-gram stack, started in parallel; errors by stack name."""
+def stack_configs(config: BenchConfig, needed: set[str]) -> dict[str, StackConfig]:
+    """The stacks `needed` rows run on: "model" (drafting with the draft model, or n-grams where no
+    row drafts with it) and "ngram"."""
     stack_configs: dict[str, StackConfig] = {}
     threads = config.target_threads or os.cpu_count() or 1
     common = StackConfig(target_model=config.target_model, device=config.device, dtype=config.dtype,
@@ -775,18 +781,28 @@ def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple
     common = replace(common, rtt_ms=config.rtt_ms)
     if needed & (set(SPECWIRE_PARAMS) - {"specwire_speculative_ngram"}):
         port = config.port or free_base_port()
+        # Without a model-drafted row the draft service drafts n-grams: it holds no weights, and
+        # speaks the target's tokenizer where no draft of the target's exists.
+        drafted = bool(needed & MODEL_DRAFTED_ROWS)
         stack_configs["model"] = replace(
-            common, port=port, draft_model=config.draft_model, drafter="model", medusa=config.medusa
+            common, port=port, draft_model=config.draft_model if drafted else config.target_model,
+            drafter="model" if drafted else "ngram", medusa=config.medusa
         )
     if "specwire_speculative_ngram" in needed:
         port = config.port + 10 if config.port else free_base_port()
         # The n-gram drafter has no weights: --model names the tokenizer it drafts in.
         stack_configs["ngram"] = replace(common, port=port, draft_model=config.target_model, drafter="ngram")
+    return stack_configs
+
+
+def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple[dict[str, Stack], dict[str, str]]:
+    """The stacks of `stack_configs`, started in parallel; errors by stack name."""
+    configs = stack_configs(config, needed)
     stacks: dict[str, Stack] = {}
     errors: dict[str, str] = {}
 
     def start(name: str) -> None:
-        stack = Stack(stack_configs[name])
+        stack = Stack(configs[name])
         stack_dir = log_dir / name
         stack_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -796,7 +812,7 @@ def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple
             errors[name] = f"{error} (logs in {stack_dir})"
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        list(pool.map(start, stack_configs))
+        list(pool.map(start, configs))
     return stacks, errors
 
 

@@ -99,6 +99,19 @@ pytest_plugins = ["tests.medusa_fixtures"]  # random heads for the Medusa rows
 # -- bench ------------------------------------------------------------------------------------
 
 
+def test_rows_that_draft_with_no_model_start_no_draft_model() -> None:
+    """A target without a draft of its own (Gemma before `specwire pair`) benches its greedy rows:
+    the draft service drafts n-grams in the target's tokenizer instead of loading a foreign draft."""
+    config = bench.BenchConfig(target_model="target", draft_model="draft", prompts=["x"])
+    undrafted = bench.stack_configs(config, {"specwire_greedy", "specwire_sample", "specwire_medusa"})
+    assert set(undrafted) == {"model"}
+    assert (undrafted["model"].drafter, undrafted["model"].draft_model) == ("ngram", "target")
+    for row in ("specwire_speculative", "specwire_speculative_sampled", "specwire_entropix_speculative"):
+        drafted = bench.stack_configs(config, {"specwire_greedy", row, "specwire_speculative_ngram"})
+        assert (drafted["model"].drafter, drafted["model"].draft_model) == ("model", "draft")
+        assert (drafted["ngram"].drafter, drafted["ngram"].draft_model) == ("ngram", "target")
+
+
 @pytest.fixture(scope="module")
 def bench_report(llama_target_dir: Path, llama_draft_dir: Path, llama_heads_dir: Path) -> dict[str, Any]:
     config = bench.BenchConfig(
