@@ -163,13 +163,14 @@ def test_w4a8_equals_its_formula_for_every_row_alone_and_compiled() -> None:
     from torch import nn
 
     torch.manual_seed(0)
-    for in_features, out_features in ((640, 1000), (96, 40), (256, 33)):
+    for in_features, out_features in ((640, 1000), (192, 20), (96, 40), (256, 33)):  # groups of 128, 64, 32
         linear = nn.Linear(in_features, out_features)
         layer = W4A8Linear(linear)
         x = torch.randn(7, in_features) * torch.logspace(-2, 2, 7)[:, None]
         y = layer(x)
         rows = layer.packed.shape[0]
-        low, high = (layer.packed & 15).view(rows, -1, 16), (layer.packed >> 4).view(rows, -1, 16)
+        half = 16 if layer.group == 32 else 32  # a byte holds inputs j and j + half
+        low, high = (layer.packed & 15).view(rows, -1, half), (layer.packed >> 4).view(rows, -1, half)
         unsigned = torch.cat([low, high], dim=-1).reshape(rows, -1).double()
         weight = ((unsigned - 8).view(rows, -1, layer.group) * layer.scales.double()[..., None]).view(rows, -1)
         amax = x.double().abs().amax(dim=1, keepdim=True)

@@ -195,10 +195,12 @@ class W4A8Linear(nn.Module):
         scales = extreme / -8
         scales = torch.where(scales.abs() < 1e-12, torch.full_like(scales, 1e-12), scales)
         unsigned = (torch.round(groups / scales[..., None]).clamp(-8, 7) + 8).to(torch.uint8)
-        blocks = unsigned.view(out_features, in_features // 32, 32)
+        # w4a8.cpp's layout: a byte holds inputs j and j + half of a block of 2·half.
+        half = 16 if self.group == 32 else 32
+        blocks = unsigned.view(out_features, in_features // (2 * half), 2 * half)
         self.packed: torch.Tensor
         self.scales: torch.Tensor
-        self.register_buffer("packed", (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(out_features, -1).contiguous())
+        self.register_buffer("packed", (blocks[..., :half] | (blocks[..., half:] << 4)).reshape(out_features, -1).contiguous())
         self.register_buffer("scales", scales.contiguous())
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
