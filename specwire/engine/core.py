@@ -105,7 +105,9 @@ class Engine:
                 raise ValueError(f"--compile must be auto, on or off; got {self.limits.compile!r}")
             compiling = self.limits.compile == "on" or (self.limits.compile == "auto" and lm.device.type in COMPILE_PAYS_ON)
             if compiling and not self.limits.compile_in_background:
-                self.scheduler.compile(on_ready=self._remeasure)
+                # As `warmup` decides in the background: from an eager decode step's time.
+                short = self.scheduler.time_decode_step(1, 8, repeats=3)[0] < FUSE_BELOW_MS
+                self.scheduler.compile(on_ready=self._remeasure, short_steps=short)
             # In the background, compilation starts after `warmup`: warm-up's eager forwards
             # would otherwise share the cores with the compiler and keep the service from SERVING.
             self._compile_later = compiling and self.limits.compile_in_background
