@@ -208,7 +208,7 @@ class W4A8Linear(nn.Module):
         flat = x.reshape(-1, self.in_features).float()
         amax = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
         q = torch.round(flat / amax * 127).to(torch.int8)
-        qsum8 = q.view(q.shape[0], -1, self.group).sum(dim=-1, dtype=torch.int32).float() * 8
+        qsum8 = q.view(q.shape[0], -1, self.group).sum(dim=-1, dtype=torch.int32) * 8
         out = torch.ops.specwire.w4a8_linear(q, qsum8, (amax / 127).view(-1), self.packed, self.scales, self.group)
         if self.bias is not None:
             out = out + self.bias

@@ -4,10 +4,10 @@
 //   u: unsigned 4-bit weights (0..15), groups of G inputs sharing the scale s[n, g];
 //   q: the row's activations as int8 (q = round(127 x / a), a = max |x| of the row).
 // Σ (u − 8)·q = Σ u·q − 8·Σ q: vpmaddubsw takes u (unsigned) times q (signed) in pairs, and the
-// 8·Σ_g q terms come in precomputed per row and group (`qsum8`), subtracted in int32.
+// 8·Σ_g q terms come in precomputed per row and group (`qsum8`, int32), subtracted in int32.
 // Packing: groups of 64 or 128 inputs take 32 bytes per 64 inputs, byte j holding input j (low
 // nibble) and j + 32; groups of 32 take 16 bytes, byte j holding input j and j + 16. One load and
-// two masks give 32 weights.
+// two masks give 64 weights (32 in groups of 32).
 // Every row is summed in one fixed order whatever the number of rows, so a row's output never
 // depends on its batch.
 #include <torch/extension.h>
@@ -85,18 +85,18 @@ torch::Tensor w4a8_linear(const torch::Tensor& q, const torch::Tensor& qsum8, co
   const int64_t M = q.size(0), K = q.size(1), N = packed.size(0);
   TORCH_CHECK((group == 32 || group == 64 || group == 128) && K % group == 0 && packed.size(1) * 2 == K,
               "sizes: group 32, 64 or 128, dividing in");
+  TORCH_CHECK(qsum8.dtype() == torch::kInt32, "qsum8: int32 [rows, in/group]");
   TORCH_CHECK(qsum8.is_contiguous() && row_scale.is_contiguous() && scales.is_contiguous(), "contiguous inputs");
   auto y = torch::empty({M, N}, q.options().dtype(torch::kFloat32));
   const int8_t* qp = q.data_ptr<int8_t>();
-  const float* qs = qsum8.data_ptr<float>();
+  const int32_t* qs = qsum8.data_ptr<int32_t>();
   const float* rs = row_scale.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t groups = K / group;
-  // 8·Σ q per row and group is an integer (|Σ q| ≤ 128·127): exact in float and in int32.
   std::vector<__m256i> offsets(M * groups);
-  for (int64_t i = 0; i < M * groups; ++i) offsets[i] = _mm256_setr_epi32(static_cast<int32_t>(qs[i]), 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t i = 0; i < M * groups; ++i) offsets[i] = _mm256_setr_epi32(qs[i], 0, 0, 0, 0, 0, 0, 0);
   const __m256i* op = offsets.data();
   // 128 channels a task: their weights (≤ 128 · K / 2 bytes) stay in L2 between row blocks.
   at::parallel_for(0, N, 128, [&](int64_t n0, int64_t n1) {
