@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/specwire demo
 
+# Two workers: most tests wait on one Python thread (services, gRPC), so two share 2 cores well.
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 lint: install
 	$(BIN)/ruff check .

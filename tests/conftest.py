@@ -15,7 +15,8 @@ from specwire.engine import CausalLM, Engine, EngineLimits, trimmed_vocab
 from tests.harness import LoopThread, Stack, start_model_server, start_orchestrator
 from tests.tiny import build_tokenizer, save_gpt2, save_llama
 
-torch.set_num_threads(2)
+# Two test workers share the machine's cores (`pytest -n 2`): a torch thread each.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 # Engines and services started by the tests serve eagerly (a compile per service would cost the
 # suite minutes); the compiled forward has tests of its own, which ask for it.
 os.environ["SPECWIRE_COMPILE"] = "off"

@@ -239,7 +239,7 @@ def test_a_draining_replica_takes_no_new_sessions_and_finishes_its_own(
 ) -> None:
     """SIGTERM (a rolling update): health turns NOT_SERVING, new sessions go to the other replica,
     the sessions it holds run on within its drain window; it exits cleanly."""
-    params = {"strategy": "greedy", "max_new_tokens": 300}
+    params = {"strategy": "greedy", "max_new_tokens": 400}
     handle = target_set(orchestrator)
     wait_serving(loop, handle, 2)
     uninterrupted = run_streams(orchestrator.address, params)
@@ -468,13 +468,15 @@ def test_sessions_still_open_when_the_drain_window_ends_move_to_another_replica(
     try:
         handle = target_set(orchestrator)
         wait_serving(loop, handle, 2)
-        params = {"strategy": "greedy", "max_new_tokens": 300}
+        params = {"strategy": "greedy", "max_new_tokens": 400}
         uninterrupted = run_streams(orchestrator.address, params)
         draining = servers[0]
 
         def drain_with_a_short_window() -> None:
             deadline = time.monotonic() + 30
-            while {s.address: s.active_sessions for s in handle.states()}[draining.address] < 2:
+            # The servicer's own count: the health states the orchestrator polls can lag, and a
+            # session seen late may be near its end when the window closes.
+            while draining.servicer.active_sessions < 2:
                 assert time.monotonic() < deadline, "streams did not start"
                 time.sleep(0.005)
             loop.run(serving.drain(draining.running, grace=0.3))
