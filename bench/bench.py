@@ -55,8 +55,8 @@ Every row but (g) decodes greedily and ignores end-of-sequence (transformers: `e
 specwire: `ignore_eos`), so every row generates exactly `max_new_tokens` tokens per prompt, and
 `matches_hf_target` records the share of (repeat, prompt) pairs whose tokens equal row (a)'s.
 With `--concurrency 1,2,4,8`, the report also has a top-level `concurrency` list: for each
-strategy (greedy; speculative, with the `specwire_speculative` row's parameters, when that row
-runs) and each stream count N, N threads run `Generate` calls at once, `--repeats` times; each
+strategy (greedy; speculative and speculative_ngram, with their rows' parameters, when those
+rows run) and each stream count N, N threads run `Generate` calls at once, `--repeats` times; each
 round covers every prompt (call i takes prompt i mod the prompts, N calls or as many as there are
 prompts, thread j the calls j, j + N, ...), so one stream's rate is over the same prompts as the
 rows'. Per entry:
@@ -188,6 +188,8 @@ SPECWIRE_PARAMS: dict[str, dict[str, Any]] = {
     "specwire_best_first_beam": {"strategy": "best_first_beam", "num_beams": "num_beams", "ignore_eos": False},
 }
 ROW_NAMES = [row.name for row in ROWS]
+# Rows measured at each `--concurrency` level besides greedy, where the run has them.
+CONCURRENCY_ROWS = ("specwire_speculative", "specwire_speculative_ngram")
 MEDUSA_ROWS = [name for name, params in SPECWIRE_PARAMS.items() if params["strategy"] == "medusa"]
 # Rows whose proposals come from the draft model.
 MODEL_DRAFTED_ROWS = {
@@ -467,12 +469,12 @@ def specwire_sample(client: Any, params: dict[str, Any], prompt_ids: list[int], 
 
 def concurrency_entries(
     client: Any, params: dict[str, Any], prompt_ids: list[list[int]], levels: Sequence[int], max_new_tokens: int,
-    repeats: int, seed: int = 0,
+    repeats: int, seed: int = 0, label: str = "",
 ) -> list[dict[str, Any]]:
     """N concurrent `Generate` calls per level, each with keywords `params` (see the module
-    docstring for the fields). Each repeat runs every level once, in a freshly shuffled order, so
-    load drift spreads over all."""
-    strategy = params["strategy"]
+    docstring for the fields; `label` names them, default the strategy). Each repeat runs every
+    level once, in a freshly shuffled order, so load drift spreads over all."""
+    strategy = label or params["strategy"]
     solo = {i: specwire_sample(client, params, ids, max_new_tokens).token_ids for i, ids in enumerate(prompt_ids)}
     rates: dict[int, list[float]] = {n: [] for n in levels}
     per_token_ms: dict[int, list[float]] = {n: [] for n in levels}
@@ -772,7 +774,7 @@ def home_as_tilde(text: str) -> str:
 
 def stack_configs(config: BenchConfig, needed: set[str]) -> dict[str, StackConfig]:
     """The stacks `needed` rows run on: "model" (drafting with the draft model, or n-grams where no
-    row drafts with it) and "ngram"."""
+    row drafts with it) and "ngram" (where "model" drafts with the model: `row_stack`)."""
     stack_configs: dict[str, StackConfig] = {}
     threads = config.target_threads or os.cpu_count() or 1
     common = StackConfig(target_model=config.target_model, device=config.device, dtype=config.dtype,
@@ -788,11 +790,16 @@ def stack_configs(config: BenchConfig, needed: set[str]) -> dict[str, StackConfi
             common, port=port, draft_model=config.draft_model if drafted else config.target_model,
             drafter="model" if drafted else "ngram", medusa=config.medusa
         )
-    if "specwire_speculative_ngram" in needed:
+    if "specwire_speculative_ngram" in needed and stack_configs.get("model", common).drafter != "ngram":
         port = config.port + 10 if config.port else free_base_port()
         # The n-gram drafter has no weights: --model names the tokenizer it drafts in.
         stack_configs["ngram"] = replace(common, port=port, draft_model=config.target_model, drafter="ngram")
     return stack_configs
+
+
+def row_stack(row: str, stacks: set[str]) -> str:
+    """The stack a specwire row runs on, of the `stack_configs` started."""
+    return "ngram" if row == "specwire_speculative_ngram" and "ngram" in stacks else "model"
 
 
 def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple[dict[str, Stack], dict[str, str]]:
@@ -894,7 +901,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
                 assert llama is not None
                 tokens, seconds = llama.generate(ids, max_new_tokens)
                 return Sample(token_ids=tokens, seconds=seconds, target_forwards=len(tokens))
-            stack = "ngram" if row == "specwire_speculative_ngram" else "model"
+            stack = row_stack(row, set(stacks) | set(stack_errors))
             if stack in stack_errors:
                 raise RuntimeError(f"the {stack} stack did not start: {stack_errors[stack]}")
             params = row_params(row, config.gamma, config.num_beams)
@@ -939,12 +946,14 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         concurrency: list[dict[str, Any]] = []
         if config.concurrency and "model" in clients:
             levels = sorted(set(config.concurrency) | {1})
-            measured = ["specwire_greedy"] + (["specwire_speculative"] if "specwire_speculative" in config.rows else [])
+            measured = ["specwire_greedy"] + [row for row in CONCURRENCY_ROWS if row in config.rows]
             for row in measured:
-                concurrency += concurrency_entries(
-                    clients["model"], row_params(row, config.gamma), prompt_ids, levels, config.max_new_tokens,
-                    config.repeats, config.seed,
-                )
+                client = clients.get(row_stack(row, set(clients)))
+                if client is not None:
+                    concurrency += concurrency_entries(
+                        client, row_params(row, config.gamma), prompt_ids, levels, config.max_new_tokens,
+                        config.repeats, config.seed, label=row.removeprefix("specwire_"),
+                    )
         metadata: dict[str, Any] = {
             "schema": SCHEMA,
             "command": home_as_tilde(config.command) if config.command else config.command,

@@ -101,15 +101,19 @@ pytest_plugins = ["tests.medusa_fixtures"]  # random heads for the Medusa rows
 
 def test_rows_that_draft_with_no_model_start_no_draft_model() -> None:
     """A target without a draft of its own (Gemma before `specwire pair`) benches its greedy rows:
-    the draft service drafts n-grams in the target's tokenizer instead of loading a foreign draft."""
+    the draft service drafts n-grams in the target's tokenizer instead of loading a foreign draft,
+    and the n-gram row runs on that stack rather than on a second copy of the target."""
     config = bench.BenchConfig(target_model="target", draft_model="draft", prompts=["x"])
-    undrafted = bench.stack_configs(config, {"specwire_greedy", "specwire_sample", "specwire_medusa"})
+    rows = {"specwire_greedy", "specwire_sample", "specwire_medusa", "specwire_speculative_ngram"}
+    undrafted = bench.stack_configs(config, rows)
     assert set(undrafted) == {"model"}
     assert (undrafted["model"].drafter, undrafted["model"].draft_model) == ("ngram", "target")
+    assert bench.row_stack("specwire_speculative_ngram", set(undrafted)) == "model"
     for row in ("specwire_speculative", "specwire_speculative_sampled", "specwire_entropix_speculative"):
         drafted = bench.stack_configs(config, {"specwire_greedy", row, "specwire_speculative_ngram"})
         assert (drafted["model"].drafter, drafted["model"].draft_model) == ("model", "draft")
         assert (drafted["ngram"].drafter, drafted["ngram"].draft_model) == ("ngram", "target")
+        assert bench.row_stack("specwire_speculative_ngram", set(drafted)) == "ngram"
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +224,8 @@ def test_bench_markdown_and_cli_output(bench_report: dict[str, Any], tmp_path: P
 
 def test_concurrent_streams_cover_every_prompt_and_equal_their_solo_runs(bench_report: dict[str, Any]) -> None:
     entries = [(entry["strategy"], entry["streams"]) for entry in bench_report["concurrency"]]
-    assert entries == [("greedy", 1), ("greedy", 3), ("speculative", 1), ("speculative", 3)]
+    assert entries == [("greedy", 1), ("greedy", 3), ("speculative", 1), ("speculative", 3),
+                       ("speculative_ngram", 1), ("speculative_ngram", 3)]
     for entry in bench_report["concurrency"]:
         assert entry["matches_solo"] == 1.0 and entry["aggregate_tokens_per_s"] > 0, entry
 
