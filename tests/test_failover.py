@@ -239,7 +239,7 @@ def test_a_draining_replica_takes_no_new_sessions_and_finishes_its_own(
 ) -> None:
     """SIGTERM (a rolling update): health turns NOT_SERVING, new sessions go to the other replica,
     the sessions it holds run on within its drain window; it exits cleanly."""
-    params = {"strategy": "greedy", "max_new_tokens": 400}
+    params = {"strategy": "greedy", "max_new_tokens": 300}
     handle = target_set(orchestrator)
     wait_serving(loop, handle, 2)
     uninterrupted = run_streams(orchestrator.address, params)
