@@ -18,8 +18,10 @@ a target-only round) minimises the predicted time per token.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from specwire.cost_curve import forward_cost_at
 
 WILSON_Z = 1.645  # `RunningEstimates.alpha_upper`: a one-sided 95% bound
 # Milliseconds to verify γ drafts (one target forward over γ + 1 positions), by γ.
@@ -64,21 +66,6 @@ def best_gamma(
         range(1, max_gamma + 1),
         key=lambda gamma: time_per_token_ms(gamma, alpha, draft_ms_per_token, verify(gamma), rtt_ms),
     )
-
-
-def forward_cost_at(costs: Sequence[tuple[int, float]], positions: int) -> float:
-    """A service's measured forward cost (`Info.forward_costs`: (positions, ms), ascending) at
-    `positions`: linear between the measured points, along the last two beyond them, the first
-    below it."""
-    if not costs:
-        raise ValueError("no forward costs measured")
-    if positions <= costs[0][0] or len(costs) == 1:
-        return costs[0][1]
-    for (n0, ms0), (n1, ms1) in zip(costs, costs[1:], strict=False):
-        if positions <= n1:
-            return ms0 + (ms1 - ms0) * (positions - n0) / (n1 - n0)
-    (n0, ms0), (n1, ms1) = costs[-2], costs[-1]
-    return ms1 + (ms1 - ms0) * (positions - n1) / (n1 - n0)
 
 
 def _verify_cost(verify_ms: float | VerifyCost) -> VerifyCost:
@@ -143,7 +130,13 @@ class RunningEstimates:
     CPU: every position is another row through each matrix product). With the target's
     measured curve (`Info.forward_costs`), t_v(γ) is that curve at γ + 1 positions times
     `verify_scale`, the running ratio of what verifications take now to what the curve says (a
-    busier machine, a longer context); without it, t_v is one running figure for every γ."""
+    busier machine, a longer context); without it, t_v is one running figure for every γ.
+
+    Under load the curve is the batch's (`ServerTiming.batch_costs`: a forward of the rows the
+    last message rode in, by width), and so is a target-only step (`target_scale` times that
+    curve at one position). With every row of a batch planning on the same curve, a γ is chosen
+    only where R rows of γ + 1 positions yield more tokens a millisecond than R rows of one:
+    E(γ) / t(R, γ + 1) against 1 / t(R, 1), the batch's throughput, not one session's."""
 
     draft_ms_per_token: float | None = None
     verify_ms: float | None = None
@@ -152,6 +145,9 @@ class RunningEstimates:
     target_trip_ms: float | None = None  # a target message's time beyond the target's compute
     verify_costs: list[tuple[int, float]] = field(default_factory=list)  # the target's (positions, ms)
     verify_scale: float = 1.0
+    load_costs: list[tuple[int, float]] = field(default_factory=list)  # the last batch's (positions, ms)
+    batch_rows: int = 0  # the rows of that batch
+    target_scale: float | None = None  # a target-only token's ms ÷ the curve's one-position forward
     accepted: float = 3.0
     rejected: float = 2.0
     decay: float = 0.9
@@ -161,11 +157,19 @@ class RunningEstimates:
         cls, verify_costs: list[tuple[int, float]], target_ms_per_token: float, draft_ms_per_token: float
     ) -> RunningEstimates:
         """Starting from the services' warm-up timings (0 = not measured)."""
+        curve = sorted(verify_costs)
+        scale = target_ms_per_token / forward_cost_at(curve, 1) if curve and target_ms_per_token else None
         return cls(
             draft_ms_per_token=draft_ms_per_token or None,
             target_ms_per_token=target_ms_per_token or None,
-            verify_costs=sorted(verify_costs),
+            verify_costs=curve,
+            target_scale=scale,
         )
+
+    @property
+    def curve(self) -> list[tuple[int, float]]:
+        """The forward-cost curve plans read: the last batch's, else the service's own."""
+        return self.load_costs or self.verify_costs
 
     @property
     def alpha(self) -> float:
@@ -189,10 +193,25 @@ class RunningEstimates:
 
     def verify_at(self, gamma: int) -> float:
         """Predicted ms of a verification of γ drafts."""
-        if self.verify_costs:
-            return forward_cost_at(self.verify_costs, gamma + 1) * self.verify_scale
+        if self.curve:
+            return forward_cost_at(self.curve, gamma + 1) * self.verify_scale
         assert self.verify_ms is not None
         return self.verify_ms
+
+    def target_step_ms(self) -> float:
+        """Predicted ms a token of a target-only round; until one is measured, what a one-draft
+        verification costs."""
+        if self.target_ms_per_token is None:
+            return self.verify_at(0)
+        if self.target_scale is None or not self.curve:
+            return self.target_ms_per_token
+        return self.target_scale * forward_cost_at(self.curve, 1)
+
+    def record_load(self, rows: int, costs: list[tuple[int, float]]) -> None:
+        """The batch a target message rode in: its rows and the service's curve at that many rows
+        (nothing from a service that does not batch)."""
+        if rows > 0 and costs:
+            self.batch_rows, self.load_costs = rows, sorted(costs)
 
     def record_acceptance(self, drafted: int, accepted: int) -> None:
         """One verified round: `accepted` successes and, when short of `drafted`, one rejection."""
@@ -206,14 +225,17 @@ class RunningEstimates:
 
     def record_verify(self, compute_ms: float, positions: int, trip_ms: float) -> None:
         self.verify_ms = _ema(self.verify_ms, compute_ms)
-        if self.verify_costs:
-            expected = forward_cost_at(self.verify_costs, positions)
+        if self.curve:
+            expected = forward_cost_at(self.curve, positions)
             self.verify_scale = _ema(self.verify_scale, compute_ms / expected) if expected > 0 else 1.0
         self.target_trip_ms = _ema(self.target_trip_ms, trip_ms)
 
     def record_target_only(self, compute_ms: float, tokens: int, trip_ms: float) -> None:
         if tokens > 0:
             self.target_ms_per_token = _ema(self.target_ms_per_token, compute_ms / tokens)
+            if self.curve:
+                step = forward_cost_at(self.curve, 1)
+                self.target_scale = _ema(self.target_scale, compute_ms / tokens / step) if step > 0 else None
         self.target_trip_ms = _ema(self.target_trip_ms, trip_ms)
 
     def record_target_trip(self, trip_ms: float) -> None:
@@ -229,8 +251,7 @@ class RunningEstimates:
         # Until a draft message is measured, it is taken to cost what a target message does.
         draft_trip_ms = self.draft_trip_ms if self.draft_trip_ms is not None else target_trip
         rtt = target_trip + (draft_trip_ms if draft_trip else 0.0)
-        # Until a target-only round is measured, a decode step costs what a one-draft verify does.
-        step = self.target_ms_per_token if self.target_ms_per_token is not None else self.verify_at(0)
+        step = self.target_step_ms()
         alpha = self.alpha_upper if optimistic else self.alpha
         return plan_round(
             alpha, self.draft_ms_per_token, self.verify_at, rtt, step, target_trip, tokens_per_round, max_gamma
@@ -241,7 +262,8 @@ class RunningEstimates:
             "alpha_estimate": self.alpha,
             "draft_ms_per_token": self.draft_ms_per_token,
             "verify_ms": self.verify_ms,
-            "verify_scale": self.verify_scale if self.verify_costs else None,
+            "verify_scale": self.verify_scale if self.curve else None,
+            "batch_rows": self.batch_rows or None,
             "target_ms_per_token": self.target_ms_per_token,
             "draft_trip_ms": self.draft_trip_ms,
             "target_trip_ms": self.target_trip_ms,

@@ -145,6 +145,8 @@ class ServerTiming:
     queue_us: int = 0
     compute_us: int = 0
     forward_calls: int = 0
+    batch_rows: int = 0  # rows of the largest batched forward the message rode in; 0 = unbatched
+    batch_costs: list[tuple[int, float]] = field(default_factory=list)  # (positions, ms) at those rows
 
 
 @dataclass

@@ -273,6 +273,8 @@ def result_to_pb(result: StepResult) -> model_pb2.SessionReply:
             queue_us=result.timing.queue_us,
             compute_us=result.timing.compute_us,
             forward_calls=result.timing.forward_calls,
+            batch_rows=result.timing.batch_rows,
+            batch_costs=[common_pb2.ForwardCost(positions=n, ms=ms) for n, ms in result.timing.batch_costs],
         ),
     )
     if result.scores is not None:
@@ -306,6 +308,8 @@ def result_from_pb(reply: model_pb2.SessionReply) -> StepResult:
             queue_us=reply.timing.queue_us,
             compute_us=reply.timing.compute_us,
             forward_calls=reply.timing.forward_calls,
+            batch_rows=reply.timing.batch_rows,
+            batch_costs=[(cost.positions, cost.ms) for cost in reply.timing.batch_costs],
         ),
     )
 
@@ -324,7 +328,7 @@ def info_to_pb(info: ModelInfo) -> model_pb2.ModelInfo:
         dtype=info.dtype,
         medusa_heads=info.medusa_heads,
         cache=cache_to_pb(info.cache) if info.cache is not None else None,
-        forward_costs=[model_pb2.ForwardCost(positions=n, ms=ms) for n, ms in info.forward_costs],
+        forward_costs=[common_pb2.ForwardCost(positions=n, ms=ms) for n, ms in info.forward_costs],
         decode_ms_per_token=info.decode_ms_per_token,
         quantization=info.quantization,
         compiled=info.compiled,

@@ -23,7 +23,7 @@ from specwire.client.sdk import GenerateResult, GenerationError, build_request
 from specwire.orchestrator.generation import Decoder
 from specwire.orchestrator.models import LocalModel
 
-from specwire.engine import CausalLM, Engine, EngineLimits, SlotKV, scheduler
+from specwire.engine import COST_POSITIONS, CausalLM, Engine, EngineLimits, SlotKV, scheduler
 from specwire.engine.scheduler import ForwardJob, compute_on, score_selection
 from specwire.entropy_metrics import PositionMetrics, token_entropy
 from specwire.errors import ResourceExhausted
@@ -297,6 +297,38 @@ def test_cache_use_is_reported_in_info_and_metrics(llama_target_dir: Path) -> No
     assert sample("specwire_kv_cache_slot_tokens") == 10
     session.close()
     assert sample("specwire_kv_cache_rows", {"state": "in_use"}) == 0
+
+
+def test_a_reply_names_the_rows_of_the_batch_it_rode_in_and_what_that_batch_costs(llama_target_dir: Path) -> None:
+    """`ServerTiming.batch_rows` and `batch_costs`: one row alone; two when two sessions'
+    decode rounds share forwards, with a curve at two rows by width."""
+    lean = engine(llama_target_dir, max_batch_rows=4, max_cache_len=96)
+    sessions = [lean.new_session() for _ in range(2)]
+    for session in sessions:
+        session.open(OpenRequest(prompt_ids=[1, 2, 3, 4, 5]))
+    alone = sessions[0].step(StepRequest(append_ids=[6], propose=4, propose_greedy=True))
+    assert alone.timing.batch_rows == 1
+    assert [n for n, _ in alone.timing.batch_costs] == list(COST_POSITIONS)
+    assert all(ms > 0 for _, ms in alone.timing.batch_costs)
+    start = threading.Barrier(2)
+
+    def decode(session: Any) -> Any:
+        start.wait()
+        return session.step(StepRequest(append_ids=[7], propose=48, propose_greedy=True))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        together = list(pool.map(decode, sessions))
+    assert max(result.timing.batch_rows for result in together) == 2
+    shared = next(result for result in together if result.timing.batch_rows == 2)
+    assert [n for n, _ in shared.timing.batch_costs] == list(COST_POSITIONS)
+    assert dict(shared.timing.batch_costs)[1] == lean.scheduler.costs.curve(2, (1,))[0][1]  # type: ignore[union-attr]
+    for session in sessions:
+        session.close()
+    unbatched = engine(llama_target_dir, batching=False).new_session()
+    unbatched.open(OpenRequest(prompt_ids=[1, 2, 3]))
+    reply = unbatched.step(StepRequest(append_ids=[4], scoring=Scoring(ScoreKind.ARGMAX)))
+    assert (reply.timing.batch_rows, reply.timing.batch_costs) == (0, [])
+    unbatched.close()
 
 
 def test_a_forward_that_fails_to_compile_is_served_eagerly(

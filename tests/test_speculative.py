@@ -21,6 +21,7 @@ from transformers import GenerationConfig
 
 from specwire.acceptance import accept_draft, accept_drafts, residual_distribution
 from specwire.engine import CausalLM, Engine
+from specwire.engine.batch_costs import BatchCosts
 from specwire.errors import InvalidArgument
 from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
 from tests.goodness_of_fit import chi_square_pvalue
@@ -290,6 +291,47 @@ def test_seeded_estimates_plan_the_first_round_and_scale_the_curve_by_what_they_
     assert estimates.verify_scale == pytest.approx(2.0, rel=1e-3)
     assert estimates.verify_at(0) == pytest.approx(2.0, rel=1e-3)
     assert not RunningEstimates.seeded([], 0.0, 0.0).ready  # nothing timed: measure first
+
+
+def test_batch_costs_keep_each_shape_met_and_estimate_the_others_along_the_one_row_curve() -> None:
+    costs = BatchCosts()
+    assert costs.curve(8, (1, 5)) == []  # nothing at one row yet: no curve to read
+    for width, ms in [(1, 10.0), (8, 30.0), (16, 50.0)]:
+        costs.record(1, width, ms)
+    costs.record(8, 1, 40.0)
+    costs.record(8, 1, 50.0)  # a moving average: 40 + 0.2 · (50 − 40)
+    curve = dict(costs.curve(8, (1, 2, 5)))
+    assert curve[1] == pytest.approx(42.0)
+    # Not met at 8 rows: 8 rows of 1 plus what 8 → 16 and 8 → 40 positions add on one row.
+    assert curve[2] == pytest.approx(42.0 + 50.0 - 30.0)
+    assert curve[5] == pytest.approx(42.0 + (50.0 + 2.5 * 24) - 30.0)
+    costs.record(8, 5, 70.0)  # met now: the measurement wins, and narrows the estimate of 2
+    curve = dict(costs.curve(8, (2, 5)))
+    assert curve[5] == 70.0 and curve[2] == pytest.approx(42.0 + 20.0)
+    assert dict(costs.curve(3, (1,)))[1] == pytest.approx(forward_cost_at([(1, 10.0), (8, 30.0), (16, 50.0)], 3))
+    costs.clear()
+    assert costs.curve(1, (1,)) == []
+
+
+def test_under_load_the_plan_prices_gamma_on_the_curve_of_the_batch() -> None:
+    """Alone, a verification of 4 drafts costs 1.2 decode steps and speculation pays. In a batch
+    of 8 rows, where each position is 8 more rows through every matrix product, 2 positions cost
+    1.75 steps and 5 cost 3.25: at α ≈ 0.66 no γ yields enough tokens, and the plan runs
+    target-only rounds, until the batch is gone."""
+    solo = [(1, 10.0), (2, 10.5), (5, 12.0), (8, 14.0), (16, 20.0)]
+    estimates = RunningEstimates.seeded(solo, target_ms_per_token=10.0, draft_ms_per_token=0.1)
+    for _ in range(10):
+        estimates.record_acceptance(drafted=4, accepted=2)
+    assert estimates.plan(16, 8, draft_trip=False).speculate
+    batch = [(1, 40.0), (2, 70.0), (5, 130.0), (8, 190.0), (16, 350.0)]
+    estimates.record_load(8, batch)
+    assert estimates.batch_rows == 8 and estimates.verify_at(1) == pytest.approx(70.0)
+    assert estimates.target_step_ms() == pytest.approx(40.0)  # the seeded 1.0 × the batch's step
+    assert not estimates.plan(16, 8, draft_trip=False).speculate
+    estimates.record_load(0, [])  # a service that does not batch says nothing: the last load holds
+    assert estimates.batch_rows == 8
+    estimates.record_load(1, solo)
+    assert estimates.plan(16, 8, draft_trip=False).speculate
 
 
 def test_probing_is_worth_a_round_only_while_alpha_might_still_make_speculation_pay() -> None:

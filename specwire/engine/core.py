@@ -18,6 +18,7 @@ import torch
 
 from specwire.config import compile_default
 from specwire.engine import quantize
+from specwire.engine.batch_costs import CURVE_POSITIONS
 from specwire.engine.cache import SLACK, SlotCache
 from specwire.engine.forward import LeanModel, lean_model
 from specwire.engine.model import CausalLM, tokenizer_fingerprint
@@ -32,7 +33,7 @@ log = logging.getLogger("specwire")
 COMPILE_PAYS_ON: frozenset[str] = frozenset({"cpu"})
 # Warm-up timing (`Engine.measure_costs`, `Info.forward_costs`): forwards of this many new
 # positions, and greedy rounds of this many tokens.
-COST_POSITIONS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+COST_POSITIONS = CURVE_POSITIONS
 # Fused greedy steps and the C++ kernel wrapper (`Scheduler.compile`) cut a compiled call's fixed
 # cost (~0.1 ms); for a model whose eager decode step takes longer than this they take the longest
 # to compile (Gemma-3-270M on 2 cores: 4 shapes, one of them fused, took 35 minutes with the C++

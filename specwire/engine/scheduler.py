@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from specwire.engine.batch_costs import BatchCosts
 from specwire.engine.cache import SlotCache
 from specwire.engine.forward import ForwardBatch, ForwardOutput, LeanModel, greedy_steps, row_keys
 from specwire.entropy_metrics import AttentionStats, PositionMetrics
@@ -79,6 +80,7 @@ class ForwardJob:
     # otherwise) the round goes on unfused from there.
     fuse_greedy: bool = False
     forwards: int = 0  # run so far
+    batch_rows: int = 0  # rows of the largest forward it rode in
     # results
     logits: torch.Tensor | None = None  # [rows, keep, vocab] float32
     hidden: torch.Tensor | None = None  # [rows, n, hidden]
@@ -128,6 +130,7 @@ class Scheduler:
         self._awaited: set[int] = set()  # ids of owners served with `more` that have not come back
         self._last_forward_s = 0.0
         self.stats = SchedulerStats()
+        self.costs = BatchCosts()  # what its forwards took, by rows and width
         self._compiled: Callable[..., ForwardOutput] | None = None
         self._compiled_steps: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self.compile_s = 0.0  # how long `compile` took for the common shapes
@@ -405,6 +408,7 @@ class Scheduler:
                 ForwardJob(job.rows, job.tokens[:, begin:end], job.start + begin, max(keep, 1),
                            want_hidden=job.want_hidden, want_metrics=wanted)
             )
+            job.batch_rows = max(job.batch_rows, part.batch_rows)
             if part.hidden is not None:  # [rows, chunk, hidden]
                 job.hidden = part.hidden if job.hidden is None else torch.cat([job.hidden, part.hidden], 1)
             if keep > 0:
@@ -467,6 +471,10 @@ class Scheduler:
         self.stats.max_rows = max(self.stats.max_rows, rows)
         elapsed = time.perf_counter() - started
         self.stats.busy_s += elapsed
+        if all(job.error is None for job in jobs):
+            self.costs.record(rows, 1 if fused else max(job.new_tokens for job in jobs), elapsed * 1e3 / forwards)
+        for job in jobs:
+            job.batch_rows = max(job.batch_rows, rows)
         with self._mutex:
             self._last_forward_s = elapsed / forwards
             self._awaited |= {id(job.owner) for job in jobs if job.more and job.owner is not None}

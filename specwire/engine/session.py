@@ -22,6 +22,7 @@ from transformers import DynamicCache
 
 from specwire import attention_probe
 from specwire.acceptance import accept_draft
+from specwire.engine.batch_costs import CURVE_POSITIONS
 from specwire.engine.cache import SlotCache
 from specwire.engine.model import CausalLM
 from specwire.engine.scheduler import ForwardJob, Scheduler, synchronize
@@ -111,6 +112,11 @@ class SessionKV(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def keep_path(self, start: int, kept: list[int]) -> None: ...
+
+    def take_load(self) -> tuple[int, list[tuple[int, float]]]:
+        """The rows of the largest batched forward since the last call, and what a forward of
+        that many rows costs by its width (`ServerTiming.batch_costs`); (0, []) unbatched."""
+        ...
 
     def close(self) -> None: ...
 
@@ -212,6 +218,9 @@ class DynamicKV:
             values[:, :, start : start + len(kept)] = values.index_select(2, source)
         self.crop(start + len(kept))
 
+    def take_load(self) -> tuple[int, list[tuple[int, float]]]:
+        return 0, []
+
     def close(self) -> None:
         self.cache, self.cached = None, 0
 
@@ -235,6 +244,7 @@ class SlotKV:
         self.wait_s = wait_s  # longest wait for free rows; `set_deadline` may shorten it
         self.rows: list[int] = []
         self.cached = 0
+        self.batch_rows = 0  # `take_load`
         self._lock = threading.Lock()
         self._busy = False
         self._closed = False
@@ -338,6 +348,7 @@ class SlotKV:
             self.scheduler.run(job)
         finally:
             self._leave()
+        self.batch_rows = max(self.batch_rows, job.batch_rows)
         self.cached = job.start + job.new_tokens
         return job
 
@@ -353,6 +364,10 @@ class SlotKV:
             self.cached = start + len(kept)
         finally:
             self._leave()
+
+    def take_load(self) -> tuple[int, list[tuple[int, float]]]:
+        rows, self.batch_rows = self.batch_rows, 0
+        return rows, self.scheduler.costs.curve(rows, CURVE_POSITIONS) if rows else []
 
     def close(self) -> None:
         with self._lock:
@@ -393,6 +408,16 @@ class EngineSession:
         return int(self.tokens.shape[1])
 
     def open(self, request: OpenRequest) -> StepResult:
+        return self._with_load(self._open(request))
+
+    def step(self, request: StepRequest) -> StepResult:
+        return self._with_load(self._step(request))
+
+    def _with_load(self, result: StepResult) -> StepResult:
+        result.timing.batch_rows, result.timing.batch_costs = self.kv.take_load()
+        return result
+
+    def _open(self, request: OpenRequest) -> StepResult:
         if not request.prompt_ids:
             raise InvalidArgument("prompt_ids", "must not be empty")
         if not 1 <= request.num_branches <= MAX_BRANCHES:
@@ -406,7 +431,7 @@ class EngineSession:
         self.kv.open(request.num_branches)
         return self._finish(request.scoring, 0, False, 0, 0.0)
 
-    def step(self, request: StepRequest) -> StepResult:
+    def _step(self, request: StepRequest) -> StepResult:
         if request.tree_keep:
             self._keep_tree(request.tree_keep)
         elif self.tree_start is not None:

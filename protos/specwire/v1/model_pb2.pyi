@@ -58,22 +58,14 @@ class ModelInfo(_message.Message):
     dtype: str
     cache: CacheInfo
     medusa_heads: int
-    forward_costs: _containers.RepeatedCompositeFieldContainer[ForwardCost]
+    forward_costs: _containers.RepeatedCompositeFieldContainer[_common_pb2.ForwardCost]
     decode_ms_per_token: float
     startup: _common_pb2.StartupTimes
     quantization: str
     compiled: bool
     compiling: bool
     medusa_choices: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., role: _Optional[str] = ..., tokenizer_source: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., cache: _Optional[_Union[CacheInfo, _Mapping]] = ..., medusa_heads: _Optional[int] = ..., forward_costs: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ..., decode_ms_per_token: _Optional[float] = ..., startup: _Optional[_Union[_common_pb2.StartupTimes, _Mapping]] = ..., quantization: _Optional[str] = ..., compiled: _Optional[bool] = ..., compiling: _Optional[bool] = ..., medusa_choices: _Optional[str] = ...) -> None: ...
-
-class ForwardCost(_message.Message):
-    __slots__ = ("positions", "ms")
-    POSITIONS_FIELD_NUMBER: _ClassVar[int]
-    MS_FIELD_NUMBER: _ClassVar[int]
-    positions: int
-    ms: float
-    def __init__(self, positions: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., role: _Optional[str] = ..., tokenizer_source: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., cache: _Optional[_Union[CacheInfo, _Mapping]] = ..., medusa_heads: _Optional[int] = ..., forward_costs: _Optional[_Iterable[_Union[_common_pb2.ForwardCost, _Mapping]]] = ..., decode_ms_per_token: _Optional[float] = ..., startup: _Optional[_Union[_common_pb2.StartupTimes, _Mapping]] = ..., quantization: _Optional[str] = ..., compiled: _Optional[bool] = ..., compiling: _Optional[bool] = ..., medusa_choices: _Optional[str] = ...) -> None: ...
 
 class CacheInfo(_message.Message):
     __slots__ = ("rows", "rows_in_use", "max_len", "tokens_in_use", "bytes_in_use", "bytes_total", "sessions_waiting")
