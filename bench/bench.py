@@ -63,8 +63,9 @@ rows'. Per entry:
 `aggregate_tokens_per_s` (all streams' tokens over the wall time of the round of N, median over
 repeats; each repeat runs the levels in a shuffled order), `ratio_vs_one_stream` (the median over
 repeats of the rate over one stream's in the same repeat), `p50_token_ms` / `p99_token_ms` (over
-streams and repeats, of a stream's wall time per token) and `matches_solo` (the share of streams
-whose tokens equal the N = 1 run on the same prompt).
+streams and repeats, of a stream's wall time per token), `matches_solo` (the share of streams
+whose tokens equal the N = 1 run on the same prompt), and for speculative strategies
+`tokens_per_target_forward` and `off_round_share` (the share of rounds auto γ ran target-only).
 The specwire rows run against three real services started by `specwire.client.launcher.Stack` on
 loopback (`--rtt-ms R`: through the delay proxy, R ms round trip to each service); time is
 measured by the client around each `Generate` call.
@@ -479,6 +480,7 @@ def concurrency_entries(
     rates: dict[int, list[float]] = {n: [] for n in levels}
     per_token_ms: dict[int, list[float]] = {n: [] for n in levels}
     matches: dict[int, list[bool]] = {n: [] for n in levels}
+    done: dict[int, list[Sample]] = {n: [] for n in levels}
     rng = random.Random(seed)
     with ThreadPoolExecutor(max_workers=max(levels)) as pool:
         for _ in range(repeats):
@@ -498,6 +500,7 @@ def concurrency_entries(
                 rates[streams].append(sum(len(s.token_ids) for s in samples) / wall)
                 per_token_ms[streams] += [1e3 * s.seconds / max(1, len(s.token_ids)) for s in samples]
                 matches[streams] += [s.token_ids == solo[i] for s, i in zip(samples, which, strict=True)]
+                done[streams] += samples
     entries: list[dict[str, Any]] = []
     for streams in levels:
         latencies = sorted(per_token_ms[streams])
@@ -508,6 +511,10 @@ def concurrency_entries(
             "p50_token_ms": statistics.median(latencies),
             "p99_token_ms": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
             "matches_solo": sum(matches[streams]) / len(matches[streams]),
+            # Speculative rows: how far auto γ speculated at this load.
+            "tokens_per_target_forward": _ratio(sum(len(s.token_ids) for s in done[streams]),
+                                                sum(s.target_forwards for s in done[streams])),
+            "off_round_share": _ratio(sum(s.off_rounds for s in done[streams]), sum(s.rounds for s in done[streams])),
         })
     one = entries[0] if levels[0] == 1 else None
     for entry in entries:

@@ -170,6 +170,7 @@ class Speculation:
         self.pending: Proposal | None = None  # proposed during the previous verification
         self.off_left = 0  # target-only rounds to run before probing speculation again
         self.off_chunk = 1  # the last target-only round's k
+        self.off_rows = 0  # the batch's rows when the target-only rounds began
         self.backoff = MIN_BACKOFF
         self.probing = False
 
@@ -212,6 +213,8 @@ class Speculation:
             return min(FIRST_GAMMA, cap)
         if self.estimates.target_ms_per_token is None:
             return None  # one target-only round measures what speculation must beat
+        if self.off_left > 0 and self.estimates.batch_rows != self.off_rows:
+            self.off_left = 0  # the batch changed since these rounds began: plan again now
         if self.off_left > 0:
             self.off_left -= 1
             return None
@@ -230,6 +233,7 @@ class Speculation:
         # Speculation is predicted slower: target-only rounds, then a probe; each probe that
         # fails doubles the wait before the next.
         self.off_left, self.backoff, self.probing = self.backoff - 1, min(2 * self.backoff, MAX_BACKOFF), True
+        self.off_rows = self.estimates.batch_rows
         return None
 
     def _ahead_gamma(self, drafted: int, remaining: int) -> int:

@@ -228,6 +228,9 @@ def test_concurrent_streams_cover_every_prompt_and_equal_their_solo_runs(bench_r
                        ("speculative_ngram", 1), ("speculative_ngram", 3)]
     for entry in bench_report["concurrency"]:
         assert entry["matches_solo"] == 1.0 and entry["aggregate_tokens_per_s"] > 0, entry
+        assert entry["tokens_per_target_forward"] > 0 and 0.0 <= entry["off_round_share"] <= 1.0, entry
+        if entry["strategy"] == "greedy":
+            assert entry["off_round_share"] == 0.0, entry
 
 
 def test_bench_records_its_command_date_and_machine(bench_report: dict[str, Any]) -> None:

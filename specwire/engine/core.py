@@ -175,7 +175,10 @@ class Engine:
             self.scheduler.compile(background=True, on_ready=self._remeasure, short_steps=short)
 
     def _remeasure(self) -> None:
-        """Compiled forwards cost less than the eager ones `warmup` timed: `Info` reports these."""
+        """Compiled forwards cost less than the eager ones `warmup` timed: `Info` reports these,
+        and the batches' costs are learnt again."""
+        if self.scheduler is not None:
+            self.scheduler.costs.clear()
         if self._forward_costs:
             self._forward_costs, self._decode_ms_per_token = self.measure_costs()
 
