@@ -126,6 +126,8 @@ def test_one_generation_is_one_trace_with_rounds_calls_and_service_spans(
         assert total("specwire.round.drafted") == stats.drafted_tokens > 0
         assert total("specwire.round.accepted") == stats.accepted_tokens
         assert all(attr(s, "specwire.round.gamma") is not None for s in rounds)
+        # The target's replies name the batch they rode in: this generation's row alone.
+        assert attr(rounds[-1], "specwire.round.batch_rows") == 1
 
 
 @pytest.mark.parametrize("strategy", sorted(set(STRATEGIES) - {"greedy", "speculative"}))
