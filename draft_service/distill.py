@@ -162,7 +162,10 @@ def add_parser(commands: Any) -> None:
                                help="uncached training windows learnt from the text's own next tokens")
     scratch_flags.add_argument("--text-weight", type=float, default=1.0, help="weight of their cross-entropy")
     scratch_flags.add_argument("--text-batch", type=int, default=8, help="text windows per step (with --batch-size cached)")
-    scratch_flags.add_argument("--bf16", action="store_true", help="bfloat16 autocast (faster on CPUs with AMX)")
+    scratch_flags.add_argument(
+        "--bf16", action="store_true",
+        help="bfloat16 autocast where the CPU multiplies bfloat16 natively (AVX-512 BF16, AMX); float32 elsewhere",
+    )
     scratch_flags.add_argument("--teacher-cache", help="the teacher cache directory (default: OUT.teacher; built if missing)")
     teacher_cache.add_arguments(parser)
 
