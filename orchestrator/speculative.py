@@ -275,7 +275,7 @@ class Speculation:
         spent = ctx.stats.target.since(before)
         # The plan prices target-only rounds at full length: the short first ones (unfused steps,
         # a catch-up append) would overstate a token's cost.
-        self.estimates.record_load(result.timing.batch_rows, result.timing.batch_costs)
+        self.estimates.record_load(result.timing.batch_rows, result.timing.batch_costs, result.timing.one_row_costs)
         if count >= ctx.max_tokens_per_round or self.estimates.target_ms_per_token is None:
             self.estimates.record_target_only(spent.compute_ms, len(decided), spent.client_ms - spent.compute_ms)
         else:
@@ -396,7 +396,7 @@ class Speculation:
             )
         )
         spent = ctx.stats.target.since(before)
-        self.estimates.record_load(verified.timing.batch_rows, verified.timing.batch_costs)
+        self.estimates.record_load(verified.timing.batch_rows, verified.timing.batch_costs, verified.timing.one_row_costs)
         if ctx.stats.target.calls > 2:  # the first step carries the prompt's prefill
             self.estimates.record_verify(spent.compute_ms, len(drafts) + 1, spent.client_ms - spent.compute_ms)
         return verified

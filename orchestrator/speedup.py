@@ -132,11 +132,12 @@ class RunningEstimates:
     `verify_scale`, the running ratio of what verifications take now to what the curve says (a
     busier machine, a longer context); without it, t_v is one running figure for every γ.
 
-    Under load the curve is the batch's (`ServerTiming.batch_costs`: a forward of the rows the
-    last message rode in, by width), and so is a target-only step (`target_scale` times that
-    curve at one position). With every row of a batch planning on the same curve, a γ is chosen
-    only where R rows of γ + 1 positions yield more tokens a millisecond than R rows of one:
-    E(γ) / t(R, γ + 1) against 1 / t(R, 1), the batch's throughput, not one session's."""
+    Under load both are multiplied by what the batch adds at each width, `load`: a forward of
+    the rows the last target message rode in over one row's (`ServerTiming.batch_costs` ÷
+    `one_row_costs`); measurements are divided by it, so they stay one-row figures. With every
+    row of a batch planning on the same factors, a γ is chosen only where R rows of γ + 1
+    positions yield more tokens a millisecond than R rows of one: E(γ) / t(R, γ + 1) against
+    1 / t(R, 1), the batch's throughput, not one session's."""
 
     draft_ms_per_token: float | None = None
     verify_ms: float | None = None
@@ -145,9 +146,9 @@ class RunningEstimates:
     target_trip_ms: float | None = None  # a target message's time beyond the target's compute
     verify_costs: list[tuple[int, float]] = field(default_factory=list)  # the target's (positions, ms)
     verify_scale: float = 1.0
-    load_costs: list[tuple[int, float]] = field(default_factory=list)  # the last batch's (positions, ms)
-    batch_rows: int = 0  # the rows of that batch
-    target_scale: float | None = None  # a target-only token's ms ÷ the curve's one-position forward
+    load: list[tuple[int, float]] = field(default_factory=list)  # (positions, batch ms ÷ one row's); [] = 1
+    batch_rows: int = 0  # the rows of the last batch
+    target_one_row_ms: float | None = None  # a target-only token's ms, ÷ the load it met
     accepted: float = 3.0
     rejected: float = 2.0
     decay: float = 0.9
@@ -157,19 +158,16 @@ class RunningEstimates:
         cls, verify_costs: list[tuple[int, float]], target_ms_per_token: float, draft_ms_per_token: float
     ) -> RunningEstimates:
         """Starting from the services' warm-up timings (0 = not measured)."""
-        curve = sorted(verify_costs)
-        scale = target_ms_per_token / forward_cost_at(curve, 1) if curve and target_ms_per_token else None
         return cls(
             draft_ms_per_token=draft_ms_per_token or None,
             target_ms_per_token=target_ms_per_token or None,
-            verify_costs=curve,
-            target_scale=scale,
+            verify_costs=sorted(verify_costs),
+            target_one_row_ms=target_ms_per_token or None,
         )
 
-    @property
-    def curve(self) -> list[tuple[int, float]]:
-        """The forward-cost curve plans read: the last batch's, else the service's own."""
-        return self.load_costs or self.verify_costs
+    def load_at(self, positions: int) -> float:
+        """What the last batch multiplies a forward of `positions` positions by."""
+        return forward_cost_at(self.load, positions) if self.load else 1.0
 
     @property
     def alpha(self) -> float:
@@ -193,25 +191,25 @@ class RunningEstimates:
 
     def verify_at(self, gamma: int) -> float:
         """Predicted ms of a verification of γ drafts."""
-        if self.curve:
-            return forward_cost_at(self.curve, gamma + 1) * self.verify_scale
+        if self.verify_costs:
+            return forward_cost_at(self.verify_costs, gamma + 1) * self.load_at(gamma + 1) * self.verify_scale
         assert self.verify_ms is not None
         return self.verify_ms
 
     def target_step_ms(self) -> float:
         """Predicted ms a token of a target-only round; until one is measured, what a one-draft
         verification costs."""
-        if self.target_ms_per_token is None:
+        if self.target_one_row_ms is None:
             return self.verify_at(0)
-        if self.target_scale is None or not self.curve:
-            return self.target_ms_per_token
-        return self.target_scale * forward_cost_at(self.curve, 1)
+        return self.target_one_row_ms * self.load_at(1)
 
-    def record_load(self, rows: int, costs: list[tuple[int, float]]) -> None:
-        """The batch a target message rode in: its rows and the service's curve at that many rows
-        (nothing from a service that does not batch)."""
-        if rows > 0 and costs:
-            self.batch_rows, self.load_costs = rows, sorted(costs)
+    def record_load(self, rows: int, batch: list[tuple[int, float]], one_row: list[tuple[int, float]]) -> None:
+        """The batch a target message rode in: its rows, and a forward's cost at that many rows and
+        at one, by width (nothing from a service that does not batch)."""
+        single = dict(one_row)
+        factors = [(n, ms / single[n]) for n, ms in sorted(batch) if single.get(n, 0.0) > 0]
+        if rows > 0 and factors:
+            self.batch_rows, self.load = rows, factors
 
     def record_acceptance(self, drafted: int, accepted: int) -> None:
         """One verified round: `accepted` successes and, when short of `drafted`, one rejection."""
@@ -225,17 +223,15 @@ class RunningEstimates:
 
     def record_verify(self, compute_ms: float, positions: int, trip_ms: float) -> None:
         self.verify_ms = _ema(self.verify_ms, compute_ms)
-        if self.curve:
-            expected = forward_cost_at(self.curve, positions)
+        if self.verify_costs:
+            expected = forward_cost_at(self.verify_costs, positions) * self.load_at(positions)
             self.verify_scale = _ema(self.verify_scale, compute_ms / expected) if expected > 0 else 1.0
         self.target_trip_ms = _ema(self.target_trip_ms, trip_ms)
 
     def record_target_only(self, compute_ms: float, tokens: int, trip_ms: float) -> None:
         if tokens > 0:
             self.target_ms_per_token = _ema(self.target_ms_per_token, compute_ms / tokens)
-            if self.curve:
-                step = forward_cost_at(self.curve, 1)
-                self.target_scale = _ema(self.target_scale, compute_ms / tokens / step) if step > 0 else None
+            self.target_one_row_ms = _ema(self.target_one_row_ms, compute_ms / tokens / self.load_at(1))
         self.target_trip_ms = _ema(self.target_trip_ms, trip_ms)
 
     def record_target_trip(self, trip_ms: float) -> None:
@@ -262,7 +258,7 @@ class RunningEstimates:
             "alpha_estimate": self.alpha,
             "draft_ms_per_token": self.draft_ms_per_token,
             "verify_ms": self.verify_ms,
-            "verify_scale": self.verify_scale if self.curve else None,
+            "verify_scale": self.verify_scale if self.verify_costs else None,
             "batch_rows": self.batch_rows or None,
             "target_ms_per_token": self.target_ms_per_token,
             "draft_trip_ms": self.draft_trip_ms,

@@ -147,6 +147,7 @@ class ServerTiming:
     forward_calls: int = 0
     batch_rows: int = 0  # rows of the largest batched forward the message rode in; 0 = unbatched
     batch_costs: list[tuple[int, float]] = field(default_factory=list)  # (positions, ms) at those rows
+    one_row_costs: list[tuple[int, float]] = field(default_factory=list)  # (positions, ms) at one row
 
 
 @dataclass

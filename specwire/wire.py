@@ -275,6 +275,7 @@ def result_to_pb(result: StepResult) -> model_pb2.SessionReply:
             forward_calls=result.timing.forward_calls,
             batch_rows=result.timing.batch_rows,
             batch_costs=[common_pb2.ForwardCost(positions=n, ms=ms) for n, ms in result.timing.batch_costs],
+            one_row_costs=[common_pb2.ForwardCost(positions=n, ms=ms) for n, ms in result.timing.one_row_costs],
         ),
     )
     if result.scores is not None:
@@ -310,6 +311,7 @@ def result_from_pb(reply: model_pb2.SessionReply) -> StepResult:
             forward_calls=reply.timing.forward_calls,
             batch_rows=reply.timing.batch_rows,
             batch_costs=[(cost.positions, cost.ms) for cost in reply.timing.batch_costs],
+            one_row_costs=[(cost.positions, cost.ms) for cost in reply.timing.one_row_costs],
         ),
     )
 

@@ -322,12 +322,14 @@ def test_a_reply_names_the_rows_of_the_batch_it_rode_in_and_what_that_batch_cost
     shared = next(result for result in together if result.timing.batch_rows == 2)
     assert [n for n, _ in shared.timing.batch_costs] == list(COST_POSITIONS)
     assert dict(shared.timing.batch_costs)[1] == lean.scheduler.costs.curve(2, (1,))[0][1]  # type: ignore[union-attr]
+    assert [n for n, _ in shared.timing.one_row_costs] == list(COST_POSITIONS)
+    assert alone.timing.one_row_costs == alone.timing.batch_costs
     for session in sessions:
         session.close()
     unbatched = engine(llama_target_dir, batching=False).new_session()
     unbatched.open(OpenRequest(prompt_ids=[1, 2, 3]))
     reply = unbatched.step(StepRequest(append_ids=[4], scoring=Scoring(ScoreKind.ARGMAX)))
-    assert (reply.timing.batch_rows, reply.timing.batch_costs) == (0, [])
+    assert (reply.timing.batch_rows, reply.timing.batch_costs, reply.timing.one_row_costs) == (0, [], [])
     unbatched.close()
 
 

@@ -313,24 +313,31 @@ def test_batch_costs_keep_each_shape_met_and_estimate_the_others_along_the_one_r
     assert costs.curve(1, (1,)) == []
 
 
-def test_under_load_the_plan_prices_gamma_on_the_curve_of_the_batch() -> None:
+def test_under_load_the_plan_prices_gamma_on_what_the_batch_adds_at_each_width() -> None:
     """Alone, a verification of 4 drafts costs 1.2 decode steps and speculation pays. In a batch
-    of 8 rows, where each position is 8 more rows through every matrix product, 2 positions cost
-    1.75 steps and 5 cost 3.25: at α ≈ 0.66 no γ yields enough tokens, and the plan runs
-    target-only rounds, until the batch is gone."""
+    of 8 rows, where each position is 8 more rows through every matrix product, a forward costs
+    4× one row's at one position, 7× at two and 13× at five: at α ≈ 0.66 no γ yields enough
+    tokens, and the plan runs target-only rounds, until the batch is gone. At one row the
+    factors are 1, whatever the learnt curve says a fused step costs: the plan is the solo one."""
     solo = [(1, 10.0), (2, 10.5), (5, 12.0), (8, 14.0), (16, 20.0)]
     estimates = RunningEstimates.seeded(solo, target_ms_per_token=10.0, draft_ms_per_token=0.1)
     for _ in range(10):
         estimates.record_acceptance(drafted=4, accepted=2)
-    assert estimates.plan(16, 8, draft_trip=False).speculate
-    batch = [(1, 40.0), (2, 70.0), (5, 130.0), (8, 190.0), (16, 350.0)]
-    estimates.record_load(8, batch)
-    assert estimates.batch_rows == 8 and estimates.verify_at(1) == pytest.approx(70.0)
-    assert estimates.target_step_ms() == pytest.approx(40.0)  # the seeded 1.0 × the batch's step
+    alone = estimates.plan(16, 8, draft_trip=False)
+    assert alone.speculate
+    one_row = [(1, 8.0), (2, 10.5), (5, 12.0), (8, 14.0), (16, 20.0)]  # a fused greedy step: 8 ms
+    estimates.record_load(1, one_row, one_row)
+    assert estimates.plan(16, 8, draft_trip=False) == alone
+    batch = [(1, 32.0), (2, 73.5), (5, 156.0), (8, 238.0), (16, 440.0)]
+    estimates.record_load(8, batch, one_row)
+    assert estimates.batch_rows == 8 and estimates.load_at(2) == pytest.approx(7.0)
+    assert estimates.verify_at(1) == pytest.approx(73.5) and estimates.target_step_ms() == pytest.approx(40.0)
     assert not estimates.plan(16, 8, draft_trip=False).speculate
-    estimates.record_load(0, [])  # a service that does not batch says nothing: the last load holds
+    estimates.record_target_only(compute_ms=16 * 44.0, tokens=16, trip_ms=0.5)  # measured in the batch
+    assert estimates.target_one_row_ms == pytest.approx(0.7 * 10.0 + 0.3 * 11.0)  # ÷ 4: a one-row figure
+    estimates.record_load(0, [], [])  # a service that does not batch says nothing: the last load holds
     assert estimates.batch_rows == 8
-    estimates.record_load(1, solo)
+    estimates.record_load(1, one_row, one_row)
     assert estimates.plan(16, 8, draft_trip=False).speculate
 
 

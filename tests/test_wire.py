@@ -51,7 +51,8 @@ def test_session_messages_round_trip() -> None:
         scores=Scores(ScoreKind.PROBS, sparse_ids=torch.tensor([[3, -1]], dtype=torch.int32), sparse_values=torch.tensor([[1.0, 0.0]])),
         proposed_ids=torch.tensor([[7, 8]], dtype=torch.int32),
         num_tokens=12,
-        timing=ServerTiming(queue_us=3, compute_us=40, forward_calls=2, batch_rows=8, batch_costs=[(1, 9.5), (5, 20.25)]),
+        timing=ServerTiming(queue_us=3, compute_us=40, forward_calls=2, batch_rows=8,
+                            batch_costs=[(1, 9.5), (5, 20.25)], one_row_costs=[(1, 2.5), (5, 3.5)]),
     )
     back = wire.result_from_pb(wire.result_to_pb(result))
     assert back.num_tokens == 12 and back.timing == result.timing

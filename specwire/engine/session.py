@@ -113,9 +113,10 @@ class SessionKV(Protocol):
 
     def keep_path(self, start: int, kept: list[int]) -> None: ...
 
-    def take_load(self) -> tuple[int, list[tuple[int, float]]]:
+    def take_load(self) -> tuple[int, list[tuple[int, float]], list[tuple[int, float]]]:
         """The rows of the largest batched forward since the last call, and what a forward of
-        that many rows costs by its width (`ServerTiming.batch_costs`); (0, []) unbatched."""
+        that many rows, and of one row, costs by its width (`ServerTiming.batch_costs`,
+        `one_row_costs`); (0, [], []) unbatched."""
         ...
 
     def close(self) -> None: ...
@@ -218,8 +219,8 @@ class DynamicKV:
             values[:, :, start : start + len(kept)] = values.index_select(2, source)
         self.crop(start + len(kept))
 
-    def take_load(self) -> tuple[int, list[tuple[int, float]]]:
-        return 0, []
+    def take_load(self) -> tuple[int, list[tuple[int, float]], list[tuple[int, float]]]:
+        return 0, [], []
 
     def close(self) -> None:
         self.cache, self.cached = None, 0
@@ -365,9 +366,12 @@ class SlotKV:
         finally:
             self._leave()
 
-    def take_load(self) -> tuple[int, list[tuple[int, float]]]:
+    def take_load(self) -> tuple[int, list[tuple[int, float]], list[tuple[int, float]]]:
         rows, self.batch_rows = self.batch_rows, 0
-        return rows, self.scheduler.costs.curve(rows, CURVE_POSITIONS) if rows else []
+        if not rows:
+            return 0, [], []
+        costs = self.scheduler.costs
+        return rows, costs.curve(rows, CURVE_POSITIONS), costs.curve(1, CURVE_POSITIONS)
 
     def close(self) -> None:
         with self._lock:
@@ -414,7 +418,8 @@ class EngineSession:
         return self._with_load(self._step(request))
 
     def _with_load(self, result: StepResult) -> StepResult:
-        result.timing.batch_rows, result.timing.batch_costs = self.kv.take_load()
+        timing = result.timing
+        timing.batch_rows, timing.batch_costs, timing.one_row_costs = self.kv.take_load()
         return result
 
     def _open(self, request: OpenRequest) -> StepResult:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specwire/v1/common.proto\x12\x0bspecwire.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x8e\x01\n\x0cServerTiming\x12\x10\n\x08queue_us\x18\x01 \x01(\x03\x12\x12\n\ncompute_us\x18\x02 \x01(\x03\x12\x15\n\rforward_calls\x18\x03 \x01(\x05\x12\x12\n\nbatch_rows\x18\x04 \x01(\x05\x12-\n\x0b\x62\x61tch_costs\x18\x05 \x03(\x0b\x32\x18.specwire.v1.ForwardCost\",\n\x0b\x46orwardCost\x12\x11\n\tpositions\x18\x01 \x01(\x05\x12\n\n\x02ms\x18\x02 \x01(\x02\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t\"L\n\x0cStartupTimes\x12\x11\n\tserving_s\x18\x01 \x01(\x02\x12)\n\x06phases\x18\x02 \x03(\x0b\x32\x19.specwire.v1.StartupPhase\"-\n\x0cStartupPhase\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specwire/v1/common.proto\x12\x0bspecwire.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xbf\x01\n\x0cServerTiming\x12\x10\n\x08queue_us\x18\x01 \x01(\x03\x12\x12\n\ncompute_us\x18\x02 \x01(\x03\x12\x15\n\rforward_calls\x18\x03 \x01(\x05\x12\x12\n\nbatch_rows\x18\x04 \x01(\x05\x12-\n\x0b\x62\x61tch_costs\x18\x05 \x03(\x0b\x32\x18.specwire.v1.ForwardCost\x12/\n\rone_row_costs\x18\x06 \x03(\x0b\x32\x18.specwire.v1.ForwardCost\",\n\x0b\x46orwardCost\x12\x11\n\tpositions\x18\x01 \x01(\x05\x12\n\n\x02ms\x18\x02 \x01(\x02\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t\"L\n\x0cStartupTimes\x12\x11\n\tserving_s\x18\x01 \x01(\x02\x12)\n\x06phases\x18\x02 \x03(\x0b\x32\x19.specwire.v1.StartupPhase\"-\n\x0cStartupPhase\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSOR']._serialized_start=41
   _globals['_TENSOR']._serialized_end=93
   _globals['_SERVERTIMING']._serialized_start=96
-  _globals['_SERVERTIMING']._serialized_end=238
-  _globals['_FORWARDCOST']._serialized_start=240
-  _globals['_FORWARDCOST']._serialized_end=284
-  _globals['_TRACECONTEXT']._serialized_start=286
-  _globals['_TRACECONTEXT']._serialized_end=341
-  _globals['_STARTUPTIMES']._serialized_start=343
-  _globals['_STARTUPTIMES']._serialized_end=419
-  _globals['_STARTUPPHASE']._serialized_start=421
-  _globals['_STARTUPPHASE']._serialized_end=466
+  _globals['_SERVERTIMING']._serialized_end=287
+  _globals['_FORWARDCOST']._serialized_start=289
+  _globals['_FORWARDCOST']._serialized_end=333
+  _globals['_TRACECONTEXT']._serialized_start=335
+  _globals['_TRACECONTEXT']._serialized_end=390
+  _globals['_STARTUPTIMES']._serialized_start=392
+  _globals['_STARTUPTIMES']._serialized_end=468
+  _globals['_STARTUPPHASE']._serialized_start=470
+  _globals['_STARTUPPHASE']._serialized_end=515
 # @@protoc_insertion_point(module_scope)

@@ -17,18 +17,20 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ServerTiming(_message.Message):
-    __slots__ = ("queue_us", "compute_us", "forward_calls", "batch_rows", "batch_costs")
+    __slots__ = ("queue_us", "compute_us", "forward_calls", "batch_rows", "batch_costs", "one_row_costs")
     QUEUE_US_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     FORWARD_CALLS_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     BATCH_COSTS_FIELD_NUMBER: _ClassVar[int]
+    ONE_ROW_COSTS_FIELD_NUMBER: _ClassVar[int]
     queue_us: int
     compute_us: int
     forward_calls: int
     batch_rows: int
     batch_costs: _containers.RepeatedCompositeFieldContainer[ForwardCost]
-    def __init__(self, queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., forward_calls: _Optional[int] = ..., batch_rows: _Optional[int] = ..., batch_costs: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ...) -> None: ...
+    one_row_costs: _containers.RepeatedCompositeFieldContainer[ForwardCost]
+    def __init__(self, queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., forward_calls: _Optional[int] = ..., batch_rows: _Optional[int] = ..., batch_costs: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ..., one_row_costs: _Optional[_Iterable[_Union[ForwardCost, _Mapping]]] = ...) -> None: ...
 
 class ForwardCost(_message.Message):
     __slots__ = ("positions", "ms")
