@@ -108,10 +108,12 @@ class Scheduler:
     """Runs `ForwardJob`s over one model and one slot cache, batching whatever is queued.
 
     A session with two forwards in one message (scores, then a decode round) comes back with
-    its next job a moment after the first was served. The forward thread, about to start a
-    forward while such a session is still missing, waits for it, up to half the last forward's time,
-    so the streams stay in step instead of splitting into ever smaller batches. Sessions gone
-    over the wire are not waited for. A session alone never waits.
+    its next job a moment after the first was served; so does one whose caller answers at once
+    (a speculative round: verify, accept, verify again), as its own past returns show. The
+    forward thread, about to start a forward while such a session is still missing, waits for
+    it, up to half the last forward's time, so the streams stay in step instead of splitting into
+    groups that take turns (8 verifying sessions on Gemma-3-270M: 4.0 rows a forward without
+    this). Sessions slower to return than that are not waited for. A session alone never waits.
     """
 
     def __init__(self, model: LeanModel, cache: SlotCache, device: torch.device, row_invariant: bool = False) -> None:
@@ -128,6 +130,8 @@ class Scheduler:
         self._worker: threading.Thread | None = None  # runs every forward (`_run_forwards`)
         self._threads = torch.get_num_threads()  # the forward thread's, as set where the engine is made
         self._awaited: set[int] = set()  # ids of owners served with `more` that have not come back
+        self._served_at: dict[int, float] = {}  # owner id → when its last job ended
+        self._return_s: dict[int, float] = {}  # owner id → its time from a job's end to its next (EMA)
         self._last_forward_s = 0.0
         self.stats = SchedulerStats()
         self.costs = BatchCosts()  # what its forwards took, by rows and width
@@ -368,6 +372,8 @@ class Scheduler:
         """`owner` sends no more jobs (its session closed): stop expecting it."""
         with self._mutex:
             self._awaited.discard(id(owner))
+            self._served_at.pop(id(owner), None)
+            self._return_s.pop(id(owner), None)
             self._arrived.notify_all()
 
     def run(self, job: ForwardJob) -> ForwardJob:
@@ -385,8 +391,13 @@ class Scheduler:
             job.tokens, job.start = job.tokens[:, head:], job.start + head
         with self._mutex:
             self._queue.append(job)
+            owner = id(job.owner)
+            if owner in self._served_at:
+                back = time.perf_counter() - self._served_at.pop(owner)
+                old = self._return_s.get(owner)
+                self._return_s[owner] = back if old is None else 0.7 * old + 0.3 * back
             if self._awaited:
-                self._awaited.discard(id(job.owner))
+                self._awaited.discard(owner)
             self._arrived.notify_all()
             if self._worker is None:
                 self._worker = threading.Thread(target=self._run_forwards, name="specwire-forward", daemon=True)
@@ -489,7 +500,19 @@ class Scheduler:
             first += count
             if not going_on:
                 job.done = True
+                self._expect_back(job)
                 job._wake.set()
+
+    def _expect_back(self, job: ForwardJob) -> None:
+        """`job` ended: await its owner before the next forward where it has been back within
+        half a forward before (`Scheduler`)."""
+        if job.owner is None or job.error is not None:
+            return
+        owner = id(job.owner)
+        with self._mutex:
+            self._served_at[owner] = time.perf_counter()
+            if self._return_s.get(owner, float("inf")) < self._last_forward_s / 2:
+                self._awaited.add(owner)
 
     def _next_steps(self, job: ForwardJob, fed: torch.Tensor) -> bool:
         """After fused steps (`fed`: the tokens [rows, FUSED_STEPS] the forward chose): the
