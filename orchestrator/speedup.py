@@ -205,11 +205,13 @@ class RunningEstimates:
 
     def record_load(self, rows: int, batch: list[tuple[int, float]], one_row: list[tuple[int, float]]) -> None:
         """The batch a target message rode in: its rows, and a forward's cost at that many rows and
-        at one, by width (nothing from a service that does not batch)."""
-        single = dict(one_row)
-        factors = [(n, ms / single[n]) for n, ms in sorted(batch) if single.get(n, 0.0) > 0]
-        if rows > 0 and factors:
-            self.batch_rows, self.load = rows, factors
+        at one, by width, where they changed (nothing from a service that does not batch)."""
+        if rows == 1:
+            self.batch_rows, self.load = 1, []
+        elif rows > 1:
+            single = dict(one_row)
+            factors = [(n, ms / single[n]) for n, ms in sorted(batch) if single.get(n, 0.0) > 0]
+            self.batch_rows, self.load = rows, factors or self.load
 
     def record_acceptance(self, drafted: int, accepted: int) -> None:
         """One verified round: `accepted` successes and, when short of `drafted`, one rejection."""

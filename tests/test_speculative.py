@@ -336,7 +336,8 @@ def test_under_load_the_plan_prices_gamma_on_what_the_batch_adds_at_each_width()
     estimates.record_target_only(compute_ms=16 * 44.0, tokens=16, trip_ms=0.5)  # measured in the batch
     assert estimates.target_one_row_ms == pytest.approx(0.7 * 10.0 + 0.3 * 11.0)  # ÷ 4: a one-row figure
     estimates.record_load(0, [], [])  # a service that does not batch says nothing: the last load holds
-    assert estimates.batch_rows == 8
+    estimates.record_load(8, [], [])  # the same rows: the service sends the curves again later
+    assert estimates.batch_rows == 8 and estimates.load_at(2) == pytest.approx(7.0)
     estimates.record_load(1, one_row, one_row)
     assert estimates.plan(16, 8, draft_trip=False).speculate
 

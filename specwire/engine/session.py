@@ -50,6 +50,7 @@ from specwire.session import (
 )
 
 MAX_BRANCHES = 64
+LOAD_REFRESH = 16  # replies at the same batch rows between two that carry its costs
 MAX_PROPOSE = 64
 
 def encode_probs(probs: torch.Tensor, config: ProcessingConfig, columns: torch.Tensor | None = None) -> Scores:
@@ -246,6 +247,8 @@ class SlotKV:
         self.rows: list[int] = []
         self.cached = 0
         self.batch_rows = 0  # `take_load`
+        self._load_rows = 0  # the rows of the last reply that carried curves, and replies since
+        self._load_age = 0
         self._lock = threading.Lock()
         self._busy = False
         self._closed = False
@@ -367,9 +370,14 @@ class SlotKV:
             self._leave()
 
     def take_load(self) -> tuple[int, list[tuple[int, float]], list[tuple[int, float]]]:
+        """Curves only where they say something new (`ServerTiming.batch_costs`): above one row,
+        when the rows changed or every LOAD_REFRESH replies."""
         rows, self.batch_rows = self.batch_rows, 0
-        if not rows:
-            return 0, [], []
+        if rows <= 1 or (rows == self._load_rows and self._load_age < LOAD_REFRESH):
+            self._load_age += 1
+            self._load_rows = rows if rows <= 1 else self._load_rows
+            return rows, [], []
+        self._load_rows, self._load_age = rows, 0
         costs = self.scheduler.costs
         return rows, costs.curve(rows, CURVE_POSITIONS), costs.curve(1, CURVE_POSITIONS)
 
