@@ -478,7 +478,6 @@ def concurrency_entries(
     strategy = label or params["strategy"]
     solo = {i: specwire_sample(client, params, ids, max_new_tokens).token_ids for i, ids in enumerate(prompt_ids)}
     rates: dict[int, list[float]] = {n: [] for n in levels}
-    per_token_ms: dict[int, list[float]] = {n: [] for n in levels}
     matches: dict[int, list[bool]] = {n: [] for n in levels}
     done: dict[int, list[Sample]] = {n: [] for n in levels}
     rng = random.Random(seed)
@@ -498,12 +497,11 @@ def concurrency_entries(
                 which = [i for j in range(streams) for i in calls[j::streams]]
                 samples = [sample for done in per_stream for sample in done]
                 rates[streams].append(sum(len(s.token_ids) for s in samples) / wall)
-                per_token_ms[streams] += [1e3 * s.seconds / max(1, len(s.token_ids)) for s in samples]
                 matches[streams] += [s.token_ids == solo[i] for s, i in zip(samples, which, strict=True)]
                 done[streams] += samples
     entries: list[dict[str, Any]] = []
     for streams in levels:
-        latencies = sorted(per_token_ms[streams])
+        latencies = sorted(1e3 * s.seconds / max(1, len(s.token_ids)) for s in done[streams])
         entries.append({
             "strategy": strategy,
             "streams": streams,

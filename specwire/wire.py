@@ -7,6 +7,7 @@ at the edge of each process (STYLE.md). Tensors cost one copy each way: `tobytes
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import cast
 
 import torch
@@ -266,6 +267,14 @@ def _verification_from_pb(message: model_pb2.Verify) -> Verification:
     return Verification(draft_probs, message.seed)
 
 
+def _costs_to_pb(costs: list[tuple[int, float]]) -> list[common_pb2.ForwardCost]:
+    return [common_pb2.ForwardCost(positions=n, ms=ms) for n, ms in costs]
+
+
+def _costs_from_pb(costs: Iterable[common_pb2.ForwardCost]) -> list[tuple[int, float]]:
+    return [(cost.positions, cost.ms) for cost in costs]
+
+
 def result_to_pb(result: StepResult) -> model_pb2.SessionReply:
     reply = model_pb2.SessionReply(
         num_tokens=result.num_tokens,
@@ -274,8 +283,8 @@ def result_to_pb(result: StepResult) -> model_pb2.SessionReply:
             compute_us=result.timing.compute_us,
             forward_calls=result.timing.forward_calls,
             batch_rows=result.timing.batch_rows,
-            batch_costs=[common_pb2.ForwardCost(positions=n, ms=ms) for n, ms in result.timing.batch_costs],
-            one_row_costs=[common_pb2.ForwardCost(positions=n, ms=ms) for n, ms in result.timing.one_row_costs],
+            batch_costs=_costs_to_pb(result.timing.batch_costs),
+            one_row_costs=_costs_to_pb(result.timing.one_row_costs),
         ),
     )
     if result.scores is not None:
@@ -310,8 +319,8 @@ def result_from_pb(reply: model_pb2.SessionReply) -> StepResult:
             compute_us=reply.timing.compute_us,
             forward_calls=reply.timing.forward_calls,
             batch_rows=reply.timing.batch_rows,
-            batch_costs=[(cost.positions, cost.ms) for cost in reply.timing.batch_costs],
-            one_row_costs=[(cost.positions, cost.ms) for cost in reply.timing.one_row_costs],
+            batch_costs=_costs_from_pb(reply.timing.batch_costs),
+            one_row_costs=_costs_from_pb(reply.timing.one_row_costs),
         ),
     )
 
@@ -330,7 +339,7 @@ def info_to_pb(info: ModelInfo) -> model_pb2.ModelInfo:
         dtype=info.dtype,
         medusa_heads=info.medusa_heads,
         cache=cache_to_pb(info.cache) if info.cache is not None else None,
-        forward_costs=[common_pb2.ForwardCost(positions=n, ms=ms) for n, ms in info.forward_costs],
+        forward_costs=_costs_to_pb(info.forward_costs),
         decode_ms_per_token=info.decode_ms_per_token,
         quantization=info.quantization,
         compiled=info.compiled,
@@ -370,7 +379,7 @@ def info_from_pb(message: model_pb2.ModelInfo) -> ModelInfo:
         dtype=message.dtype,
         medusa_heads=message.medusa_heads,
         cache=cache_from_pb(message.cache) if message.HasField("cache") else None,
-        forward_costs=[(cost.positions, cost.ms) for cost in message.forward_costs],
+        forward_costs=_costs_from_pb(message.forward_costs),
         decode_ms_per_token=message.decode_ms_per_token,
         quantization=message.quantization or "none",
         compiled=message.compiled,

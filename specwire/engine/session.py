@@ -50,8 +50,8 @@ from specwire.session import (
 )
 
 MAX_BRANCHES = 64
-LOAD_REFRESH = 16  # replies at the same batch rows between two that carry its costs
 MAX_PROPOSE = 64
+LOAD_REFRESH = 16  # replies at the same batch rows between two that carry its costs
 
 def encode_probs(probs: torch.Tensor, config: ProcessingConfig, columns: torch.Tensor | None = None) -> Scores:
     """Sparse (ids + probabilities, descending) when truncation left ≤ half the columns, or when
@@ -374,8 +374,7 @@ class SlotKV:
         when the rows changed or every LOAD_REFRESH replies."""
         rows, self.batch_rows = self.batch_rows, 0
         if rows <= 1 or (rows == self._load_rows and self._load_age < LOAD_REFRESH):
-            self._load_age += 1
-            self._load_rows = rows if rows <= 1 else self._load_rows
+            self._load_rows, self._load_age = rows, self._load_age + 1
             return rows, [], []
         self._load_rows, self._load_age = rows, 0
         costs = self.scheduler.costs
