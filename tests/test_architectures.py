@@ -205,16 +205,26 @@ def test_gemma_3_270m_float32_greedy_and_beam_equal_transformers() -> None:
     assert together == [generate(backend, tokenizer(p).input_ids) for p in prompts]
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "sdpa"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("decode", [True, False])
-def test_row_attention_gives_a_row_the_same_bits_alone_and_in_any_batch(decode: bool, threads: int) -> None:
+def test_row_attention_gives_a_row_the_same_bits_alone_and_in_any_batch(
+    decode: bool, threads: int, kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Attention for quantised models: each row of random batches (one new token a row, or
     ragged verifications; rows read in place or gathered, keys over whole blocks as `build_batch`
     lays them) equals the row alone, bit for bit, and each of a row's tokens equals a decode
     step at its position (so verifying γ + 1 positions chooses what γ + 1 steps would). One SDPA
     over a batch padded to its longest row, or over several new tokens, differs by ~1e-7 on x86
     CPUs, enough to flip an int8 activation's rounding. With two threads the calls are shared
-    with a helper thread, each still on one."""
+    with a helper thread, each still on one. Both ways: `row_attention.cpp`, and one-thread SDPA
+    calls where it does not build."""
+    from specwire.engine import kernels
+
+    if not kernel:
+        monkeypatch.setattr(kernels, "available", lambda stem: False)
+    elif not kernels.available("row_attention"):
+        pytest.skip("row_attention.cpp does not build here")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -255,6 +265,31 @@ def _check_row_attention(decode: bool) -> None:
             for t in range(n):
                 step = attend([rows[b]], query[b : b + 1, :, t : t + 1], [(1, slots - n + t + 1)], gathered=False)
                 assert torch.equal(together[b, :, t], step[0, :, 0]), (extents, b, t)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 1, 256), (8, 2, 72), (12, 4, 64), (6, 1, 32)])
+def test_the_row_attention_kernel_equals_sdpa_over_each_rows_keys(heads: int, kv_heads: int, dim: int) -> None:
+    """`row_attention.cpp` against SDPA on each row's own slots and mask (grouped heads, head sizes
+    with tails, tree-like masks with holes, padding tokens): the same numbers to float32 rounding,
+    zeros for padding."""
+    from specwire.engine import kernels
+
+    if not kernels.available("row_attention"):
+        pytest.skip("row_attention.cpp does not build here")
+    torch.manual_seed(0)
+    rows, span, width = 5, 6, 200
+    extents = torch.tensor([[6, 200], [1, 37], [3, 64], [6, 6], [2, 150]])
+    query = torch.randn(rows, heads, span, dim)
+    keys, values = torch.randn(rows, kv_heads, width, dim), torch.randn(rows, kv_heads, width, dim)
+    mask = torch.rand(rows, 1, span, width) < 0.7
+    mask[:, :, :, 0] = True  # every token sees a slot
+    out = kernels.load("row_attention").row_attention(query, keys, values, mask, extents, 0.1)
+    for b, (tokens, slots) in enumerate(extents.tolist()):
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query[b : b + 1, :, :tokens], keys[b : b + 1, :, :slots], values[b : b + 1, :, :slots],
+            attn_mask=mask[b : b + 1, :, :tokens, :slots], scale=0.1, enable_gqa=True)
+        torch.testing.assert_close(out[b : b + 1, :, :tokens], expected, rtol=1e-5, atol=1e-5)
+        assert not out[b, :, tokens:].any()
 
 
 @pytest.mark.parametrize("out_features", [64, 256, 1024])

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from specwire.engine import kernels
 from specwire.engine.cache import CacheShape, SlotCache
 from specwire.entropy_metrics import PositionMetrics, attention_scores, attention_stats, token_entropy
 
@@ -170,8 +171,11 @@ def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     entry's bits hold at any width in whole ROW_BLOCKs, masked, so the entries go in few SDPAs
     without copying keys: one a row (its keys broadcast over its tokens) or one a token index
     (over the rows), whichever is fewer. An opaque op to the compiler: the loop reads the
-    extents' values."""
+    extents' values. Where `row_attention.cpp` builds, that kernel (any T alike, all threads)."""
     B, _, T, _ = query.shape
+    if query.dtype == torch.float32 and query.device.type == "cpu" and kernels.available("row_attention"):
+        mask = mask.expand(B, 1, T, keys.shape[2])
+        return cast(torch.Tensor, kernels.load("row_attention").row_attention(query, keys, values, mask, extents, scale))
     calls: list[Callable[[], None]] = []
     if T == 1:
         if B == 1 or torch.get_num_threads() < 2:

@@ -21,11 +21,12 @@ never between a session's solo and batched runs.
 from __future__ import annotations
 
 import logging
-import subprocess
 from typing import Any, cast
 
 import torch
 from torch import nn
+
+from specwire.engine import kernels
 
 log = logging.getLogger("specwire")
 
@@ -222,42 +223,19 @@ _W4A8: Any = None
 
 
 def w4a8_builds() -> bool:
-    try:
-        w4a8_kernel()
-    except ValueError as error:
-        log.warning("%s; auto quantisation goes on without it", error)
-        return False
-    return True
+    return kernels.available("w4a8")
 
 
 def w4a8_kernel() -> Any:
-    """The compiled kernel, registered as `torch.ops.specwire.w4a8_linear` (opaque to the
-    compiler, which sees its output's shape). Built once per source and torch version
-    (torch's extension cache); needs a C++ compiler and AVX2, as compiled CPU forwards do."""
+    """The kernel, registered as `torch.ops.specwire.w4a8_linear` (opaque to the compiler,
+    which sees its output's shape); ValueError where it does not build (`kernels.load`)."""
     global _W4A8
     if _W4A8 is not None:
         return _W4A8
-    if not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
-        raise ValueError(f"--quantize w4a8 needs a CPU with AVX2; this one offers {torch.backends.cpu.get_cpu_capability()}")
-    import os
-    import shutil
-    import sysconfig
-    from pathlib import Path
-
-    from torch.utils import cpp_extension
-
-    if shutil.which("ninja") is None:  # torch's builder runs `ninja`; the pip one sits beside python
-        os.environ["PATH"] = sysconfig.get_path("scripts") + os.pathsep + os.environ.get("PATH", "")
-
     try:
-        module = cpp_extension.load(
-            "specwire_w4a8", [str(Path(__file__).with_name("w4a8.cpp"))],
-            # -fopenmp: at::parallel_for's OpenMP loop is compiled here, from torch's headers.
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
-        raise ValueError(f"--quantize w4a8: its kernel did not build ({error})") from error
+        module = kernels.load("w4a8")
+    except ValueError as error:
+        raise ValueError(f"--quantize w4a8: {error}") from error
 
     @torch.library.custom_op("specwire::w4a8_linear", mutates_args=())
     def w4a8_linear(q: torch.Tensor, qsum8: torch.Tensor, row_scale: torch.Tensor, packed: torch.Tensor,

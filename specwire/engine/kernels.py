@@ -1,0 +1,61 @@
+"""The project's C++ CPU kernels (`*.cpp` beside this file), built with torch's extension builder
+on first use and cached per source and torch version. They need a C++ compiler and AVX2, as
+compiled CPU forwards do; a caller goes on without a kernel that does not build."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("specwire")
+
+_BUILT: dict[str, Any] = {}
+_FAILED: dict[str, str] = {}
+
+
+def load(stem: str) -> Any:
+    """The module built from `stem`.cpp; ValueError, with the reason, where it cannot be built."""
+    if stem in _BUILT:
+        return _BUILT[stem]
+    if stem in _FAILED:
+        raise ValueError(_FAILED[stem])
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith("AVX"):
+        _FAILED[stem] = f"{stem}.cpp needs a CPU with AVX2; this one offers {capability}"
+        raise ValueError(_FAILED[stem])
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:  # torch's builder runs `ninja`; the pip one sits beside python
+        os.environ["PATH"] = sysconfig.get_path("scripts") + os.pathsep + os.environ.get("PATH", "")
+    try:
+        module = cpp_extension.load(
+            f"specwire_{stem}", [str(Path(__file__).with_name(f"{stem}.cpp"))],
+            # -fopenmp: at::parallel_for's OpenMP loop is compiled here, from torch's headers.
+            # -ffp-contract=off: the sums are the source's, not the compiler's choice of FMAs.
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
+        _FAILED[stem] = f"{stem}.cpp did not build ({error})"
+        raise ValueError(_FAILED[stem]) from error
+    _BUILT[stem] = module
+    return module
+
+
+def available(stem: str) -> bool:
+    """Whether `stem`.cpp builds here; where it does not, the reason is logged once."""
+    told = stem in _FAILED
+    try:
+        load(stem)
+    except ValueError as error:
+        if not told:
+            log.warning("%s; going on without it", error)
+        return False
+    return True
