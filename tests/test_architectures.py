@@ -292,6 +292,23 @@ def test_the_row_attention_kernel_equals_sdpa_over_each_rows_keys(heads: int, kv
         assert not out[b, :, tokens:].any()
 
 
+def test_row_attention_compiled_reads_its_output_as_eager_does() -> None:
+    """The op's output takes the query's layout (a transposed view in the forward), as its fake
+    implementation tells the compiler; code compiled around it reads the same numbers eager does."""
+    torch.manual_seed(0)
+    rows, span, heads, dim, width = 3, 5, 4, 64, 128
+    query = torch.randn(rows, span, heads, dim)  # [B, T, H, D], as projected
+    keys, values = torch.randn(rows, 1, width, dim), torch.randn(rows, 1, width, dim)
+    mask = torch.ones(rows, 1, span, width, dtype=torch.bool)
+    extents = torch.tensor([[5, 100], [2, 60], [5, 128]])
+
+    def attend(query: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.specwire.row_attention(query.transpose(1, 2), keys, values, mask, extents, 0.125, True)
+        return out.transpose(1, 2).flatten(2) * 2
+
+    assert torch.equal(torch.compile(attend, fullgraph=True)(query), attend(query))
+
+
 @pytest.mark.parametrize("out_features", [64, 256, 1024])
 def test_an_int8_linear_gives_a_row_the_same_bits_in_any_batch(out_features: int) -> None:
     """oneDNN scales one row's sums differently from several rows' at small widths; the layer

@@ -132,14 +132,17 @@ torch::Tensor row_attention(const torch::Tensor& query, const torch::Tensor& key
               "keys/values: [B, Hkv, L, D] with Hkv dividing the query heads");
   TORCH_CHECK(mask.size(0) == B && mask.size(2) == T && mask.size(3) == L && extents.size(0) == B, "mask: [B, 1, T, L]");
   const int64_t group = H / kv_heads;
-  auto out = torch::zeros({B, H, T, D}, query.options());
+  // The query's layout (often a transposed view), as the op's fake implementation promises the
+  // compiler: code compiled around the op reads the output with those strides.
+  auto out = torch::zeros_like(query);
+  TORCH_CHECK(out.stride(3) == 1, "contiguous head dimension");
   const float* q = query.data_ptr<float>();
   const float* k = keys.data_ptr<float>();
   const float* v = values.data_ptr<float>();
   const bool* m = mask.data_ptr<bool>();
   const int64_t* ext = extents.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
-  const auto qs = query.strides(), ks = keys.strides(), vs = values.strides(), ms = mask.strides();
+  const auto qs = query.strides(), ks = keys.strides(), vs = values.strides(), ms = mask.strides(), os = out.strides();
   const auto step = static_cast<float>(scale);
   // A task: one token of one row and key/value head, its query heads HEADS at a time.
   at::parallel_for(0, B * kv_heads * T, 1, [&](int64_t begin, int64_t end) {
@@ -157,7 +160,7 @@ torch::Tensor row_attention(const torch::Tensor& query, const torch::Tensor& key
         const int n = static_cast<int>(std::min<int64_t>(HEADS, (kv + 1) * group - first));
         for (int g = 0; g < n; ++g) {
           heads_q[g] = q + b * qs[0] + (first + g) * qs[1] + t * qs[2];
-          heads_out[g] = o + ((b * H + first + g) * T + t) * D;
+          heads_out[g] = o + b * os[0] + (first + g) * os[1] + t * os[2];
         }
         const auto run = n == 4 ? attend<4> : n == 3 ? attend<3> : n == 2 ? attend<2> : attend<1>;
         run(heads_q, kb, ks[2], vb, vs[2], allowed, ms[3], slots, D, step, scores.data(), heads_out);
