@@ -461,6 +461,25 @@ def test_compiled_forward_serves_concurrent_sessions_like_the_eager_one(llama_ta
     assert compiled.cache.usage().rows_in_use == 0
 
 
+def test_greedy_rounds_near_their_end_ride_along_fused_steps_of_longer_ones() -> None:
+    """Fused steps run when at least half of the rows have FUSED_STEPS forwards to go and every
+    job is a plain greedy step; never for a round of sampling, metrics or several new tokens,
+    nor with no full round to carry the others."""
+    fused = scheduler._fused
+
+    def job(left: int, rows: int = 1, tokens: int = 1, greedy: bool = True, metrics: bool = False) -> ForwardJob:
+        return ForwardJob(list(range(rows)), torch.zeros((rows, tokens), dtype=torch.long), 4, 1, steps=left,
+                          pick=lambda logits: None, fuse_greedy=greedy, want_metrics=metrics)
+
+    full, ending = job(scheduler.FUSED_STEPS), job(1)
+    assert fused([full]) and not fused([ending])
+    assert fused([full, ending]) and fused([full, job(2), job(3), job(8)])
+    assert not fused([full, job(1), job(2)])  # most rows near their end: one step each instead
+    assert fused([job(8, rows=2), job(1, rows=2)]) and not fused([job(8), job(1, rows=2)])
+    for other in (job(8, greedy=False), job(8, tokens=5), job(8, metrics=True)):
+        assert not fused([full, other])
+
+
 def test_a_thread_set_to_one_torch_thread_stays_there_when_another_sets_more() -> None:
     """torch sets a thread's count at its first parallel loop to the count set last by any
     thread; `compute_on` must hold against that, or the thread grows an OpenMP pool of its own."""

@@ -48,7 +48,8 @@ log = logging.getLogger("specwire")
 # long prompt neither pads the decoders' batch nor holds them up for one long call.
 PREFILL_CHUNK = 64
 # Compiled CPU engines run this many greedy decode steps in one call when every job of a
-# forward is a plain greedy round (`ForwardJob.fuse_greedy`) with that many steps left.
+# forward is a plain greedy round (`ForwardJob.fuse_greedy`) and at least half of its rows have
+# that many steps left (`_fused`).
 FUSED_STEPS = 4
 # The forward thread exits after this long without a job, and a new one starts with the next.
 IDLE_EXIT_S = 5.0
@@ -465,7 +466,7 @@ class Scheduler:
 
     def _execute(self, jobs: list[ForwardJob]) -> None:
         started = time.perf_counter()
-        fused = self._compiled_steps is not None and all(_fusable(job) for job in jobs) and self._steps_warm(jobs)
+        fused = self._compiled_steps is not None and _fused(jobs) and self._steps_warm(jobs)
         fed = torch.empty(0)
         try:
             if fused:
@@ -568,7 +569,7 @@ class Scheduler:
 
     @torch.inference_mode()
     def _forward_steps(self, jobs: list[ForwardJob], steps: Callable[..., Any] | None = None) -> torch.Tensor:
-        """FUSED_STEPS greedy steps of plain greedy rounds (`_fusable`) in one compiled call
+        """FUSED_STEPS greedy steps of plain greedy rounds (`_fused`) in one compiled call
         (`steps`, default the installed one): each job's logits [rows, FUSED_STEPS, vocab];
         returns the tokens the forward fed itself."""
         steps = steps or self._compiled_steps
@@ -744,10 +745,18 @@ def steps_key(rows: int, contiguous: bool) -> tuple[bool, bool]:
     return rows == 1, contiguous
 
 
-def _fusable(job: ForwardJob) -> bool:
-    """A plain greedy round at one new token with FUSED_STEPS or more forwards to go."""
-    return (job.fuse_greedy and job.pick is not None and job.new_tokens == 1 and not job.want_metrics
-            and not job.want_hidden and job.steps - job.forwards >= FUSED_STEPS)
+def _fused(jobs: list[ForwardJob]) -> bool:
+    """Whether `jobs` run FUSED_STEPS steps in one call: each a plain greedy round at one new
+    token, at least half of the rows with FUSED_STEPS or more forwards to go. The others ride
+    along and keep their first steps (`_next_steps`): the later ones write keys past their rows'
+    lengths, where padding's go, and cost a few rows of a batch where a step at every round's
+    end would otherwise be a forward of its own, unfused, for every row (8 streams were fused
+    in few forwards, since some round was nearly always ending)."""
+    if not all(job.fuse_greedy and job.pick is not None and job.new_tokens == 1 and not job.want_metrics
+               and not job.want_hidden for job in jobs):
+        return False
+    full = sum(len(job.rows) for job in jobs if job.steps - job.forwards >= FUSED_STEPS)
+    return full > 0 and 2 * full >= sum(len(job.rows) for job in jobs)
 
 
 def _join_metrics(parts: list[PositionMetrics]) -> PositionMetrics:
