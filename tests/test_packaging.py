@@ -98,7 +98,7 @@ def test_wheel_holds_one_package_and_works_from_a_fresh_venv(tmp_path: Path) -> 
                    "specwire/v1/common_pb2.py", "specwire/v1/orchestrator.proto", "specwire/v1/model.proto",
                    "specwire/v1/common.proto", "specwire/client/sdk.py", "specwire/bench/bench.py",
                    "specwire/openai_http/server.py", "specwire/demo/pair/target/config.json", "specwire/demo/pair/draft/config.json",
-                   "specwire/engine/w4a8.cpp"]:
+                   "specwire/engine/w4a8.cpp", "specwire/engine/row_attention.cpp"]:
         assert needed in names, f"{needed} is not in the wheel"
     assert any(n.startswith("specwire/demo/pair/target/") and n.endswith(".safetensors") for n in names)
 

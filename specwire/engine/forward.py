@@ -158,8 +158,9 @@ def row_keys(slots: int, limit: int) -> int:
 @torch.library.custom_op("specwire::row_attention", mutates_args=())
 def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                   extents: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
-    """SDPA whose result for a token depends on that token's row and position alone: [B, Hq, T, D]
-    (zeros at padding).
+    """Attention whose result for a token depends on that token's row and position alone:
+    [B, Hq, T, D] (zeros at padding). `row_attention.cpp` where it builds (every thread, any T);
+    else the SDPA calls below.
 
     Activation-quantised linears turn ~1e-7 differences into other tokens, and CPU SDPA's result
     for a row moves with the lengths padded around it: with the new tokens (T), and with the keys
@@ -171,7 +172,7 @@ def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     entry's bits hold at any width in whole ROW_BLOCKs, masked, so the entries go in few SDPAs
     without copying keys: one a row (its keys broadcast over its tokens) or one a token index
     (over the rows), whichever is fewer. An opaque op to the compiler: the loop reads the
-    extents' values. Where `row_attention.cpp` builds, that kernel (any T alike, all threads)."""
+    extents' values."""
     B, _, T, _ = query.shape
     if query.dtype == torch.float32 and query.device.type == "cpu" and kernels.available("row_attention"):
         mask = mask.expand(B, 1, T, keys.shape[2])
