@@ -205,6 +205,7 @@ class BenchConfig:
     draft_model: str
     prompts: list[str]
     quantize: str = "auto"  # the model services' --quantize
+    prefix_cache: bool = True  # the model services' --prefix-cache (repeated prompts reuse their keys)
     target_threads: int = 0  # the target service's torch threads, and llama.cpp's; 0: all cores
     draft_threads: int = 0  # the draft service's torch threads; 0: the cores the target leaves (at least 1)
     gguf: str | None = None  # the `llamacpp` row's model (default: the target's own GGUF)
@@ -782,9 +783,11 @@ def stack_configs(config: BenchConfig, needed: set[str]) -> dict[str, StackConfi
     row drafts with it) and "ngram" (where "model" drafts with the model: `row_stack`)."""
     stack_configs: dict[str, StackConfig] = {}
     threads = config.target_threads or os.cpu_count() or 1
+    cache_args = () if config.prefix_cache else ("--prefix-cache", "off")
     common = StackConfig(target_model=config.target_model, device=config.device, dtype=config.dtype,
                          quantize=config.quantize, target_threads=threads,
-                         draft_threads=config.draft_threads)
+                         draft_threads=config.draft_threads, extra_target_args=cache_args,
+                         extra_draft_args=cache_args)
     common = replace(common, rtt_ms=config.rtt_ms)
     if needed & (set(SPECWIRE_PARAMS) - {"specwire_speculative_ngram"}):
         port = config.port or free_base_port()
@@ -980,6 +983,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             # The served target as its Info states it: ms of one cached forward by new positions.
             "target_forward_costs": {str(n): ms for n, ms in target_info.forward_costs} if target_info else None,
             "target_quantization": target_info.quantization if target_info else None,
+            "prefix_cache": config.prefix_cache,
             "target_compiled": target_info.compiled if target_info else None,
             "target_threads": config.target_threads or os.cpu_count(),
             "draft_threads": config.draft_threads or None,
@@ -1055,6 +1059,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantize", default="auto", help="the model services' --quantize (none, int8, int4, w4a8, auto)")
+    parser.add_argument(
+        "--prefix-cache", default="on", choices=["on", "off"],
+        help="the model services' --prefix-cache: on, a prompt sent again (repeats, the solo runs) reuses its keys",
+    )
     parser.add_argument("--target-threads", type=int, default=0, help="the target's torch threads and llama.cpp's (0: all cores)")
     parser.add_argument("--draft-threads", type=int, default=0, help="the draft's torch threads (0: the launcher's share of the cores)")
     parser.add_argument("--gguf", help="the llamacpp row's GGUF (default: DIR/gguf/*.gguf of the target)")
@@ -1111,6 +1119,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         medusa_choices=Path(args.medusa_choices).read_text() if args.medusa_choices else None,
         rtt_ms=args.rtt_ms,
         quantize=args.quantize,
+        prefix_cache=args.prefix_cache == "on",
         target_threads=args.target_threads,
         draft_threads=args.draft_threads,
         gguf=args.gguf,

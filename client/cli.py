@@ -62,6 +62,11 @@ def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: i
     parser.add_argument("--max-cache-len", type=int, default=0, help="tokens per KV-cache row; 0 = the model's context")
     parser.add_argument("--max-queued-sessions", type=int, default=64, help="sessions waiting for free rows before RESOURCE_EXHAUSTED")
     parser.add_argument(
+        "--prefix-cache", default="on", choices=["on", "off"],
+        help="released KV-cache rows keep their keys until needed; a prompt that begins the same way reuses them "
+        "(off: nothing is shared between sessions, e.g. between tenants)",
+    )
+    parser.add_argument(
         "--engine", default="batched", choices=["batched", "hf"],
         help="batched: slot cache and cross-session batching; hf: transformers' forward, one session at a time",
     )
@@ -576,6 +581,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_batch_rows=args.max_batch_rows,
         max_cache_len=args.max_cache_len,
         max_queued_sessions=args.max_queued_sessions,
+        prefix_cache=args.prefix_cache == "on",
         engine=args.engine,
         compile=args.compile,
         quantize=args.quantize,

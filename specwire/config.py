@@ -39,6 +39,7 @@ class ModelServiceConfig:
     max_batch_rows: int = 0
     max_cache_len: int = 0
     max_queued_sessions: int = 64
+    prefix_cache: bool = True  # released rows keep their keys for later prompts that share a prefix
     engine: str = "batched"  # "batched" (slot cache, batching scheduler) or "hf" (transformers' forward)
     # torch.compile of the batched forward: auto (where it pays), on, off; see compile_default
     compile: str = field(default_factory=compile_default)

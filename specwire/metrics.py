@@ -190,7 +190,8 @@ class ModelServiceMetrics:
         )
 
         self.cache_rows = Gauge(
-            "specwire_kv_cache_rows", "Rows of the slot cache, in use and free", ["state"], registry=r
+            "specwire_kv_cache_rows",
+            "Rows of the slot cache: in use, kept (free, holding a closed session's keys) and free", ["state"], registry=r
         )
         self.cache_slot_tokens = Gauge(
             "specwire_kv_cache_slot_tokens", "Positions held by the slot cache's rows in use", registry=r
@@ -201,6 +202,10 @@ class ModelServiceMetrics:
         self.cache_waiting = Gauge(
             "specwire_kv_cache_waiting_sessions", "Sessions waiting for free slot-cache rows", registry=r
         )
+        self.prefix_reused_tokens = Gauge(
+            "specwire_kv_prefix_reused_tokens",
+            "Prompt positions found in kept slot-cache rows instead of computed, since the start", registry=r
+        )
 
     def describe(self, role: str, model: str, device: str, dtype: str) -> None:
         self.info.info({"role": role, "model": model, "device": device, "dtype": dtype})
@@ -208,12 +213,14 @@ class ModelServiceMetrics:
     def watch_cache(self, usage: Callable[[], CacheUsage]) -> None:
         """Read the slot cache's gauges from `usage` at every scrape."""
         self.cache_rows.labels("in_use").set_function(lambda: usage().rows_in_use)
-        self.cache_rows.labels("free").set_function(lambda: (lambda u: u.rows - u.rows_in_use)(usage()))
+        self.cache_rows.labels("kept").set_function(lambda: usage().rows_kept)
+        self.cache_rows.labels("free").set_function(lambda: (lambda u: u.rows - u.rows_in_use - u.rows_kept)(usage()))
         self.cache_slot_tokens.set_function(lambda: usage().tokens_in_use)
         self.cache_bytes.labels("in_use").set_function(lambda: usage().bytes_in_use)
         self.cache_bytes.labels("free").set_function(lambda: (lambda u: u.bytes_total - u.bytes_in_use)(usage()))
         self.cache_bytes.labels("total").set_function(lambda: usage().bytes_total)
         self.cache_waiting.set_function(lambda: usage().waiting)
+        self.prefix_reused_tokens.set_function(lambda: usage().reused_tokens)
 
     def message_handled(self, kind: str, queue_us: int, compute_us: int, forward_calls: int) -> None:
         self.messages.labels(kind, "ok").inc()

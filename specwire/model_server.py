@@ -52,6 +52,7 @@ def load_engine(
         max_batch_rows=config.max_batch_rows,
         max_cache_len=config.max_cache_len,
         max_queued_sessions=config.max_queued_sessions,
+        prefix_cache=config.prefix_cache,
         batching=config.engine == "batched",
         compile=config.compile,
         compile_in_background=True,

@@ -173,6 +173,8 @@ class CacheUsage:
     bytes_in_use: int
     bytes_total: int
     waiting: int
+    rows_kept: int = 0  # free rows holding a closed session's keys (prefix caching)
+    reused_tokens: int = 0  # prompt positions found cached since the start
 
 
 @dataclass(frozen=True)

@@ -362,6 +362,8 @@ def cache_to_pb(usage: CacheUsage) -> model_pb2.CacheInfo:
         bytes_in_use=usage.bytes_in_use,
         bytes_total=usage.bytes_total,
         sessions_waiting=usage.waiting,
+        rows_kept=usage.rows_kept,
+        prefix_reused_tokens=usage.reused_tokens,
     )
 
 
@@ -397,4 +399,6 @@ def cache_from_pb(message: model_pb2.CacheInfo) -> CacheUsage:
         bytes_in_use=message.bytes_in_use,
         bytes_total=message.bytes_total,
         waiting=message.sessions_waiting,
+        rows_kept=message.rows_kept,
+        reused_tokens=message.prefix_reused_tokens,
     )

@@ -6,16 +6,23 @@ view of one all-layer tensor makes `torch.compile` copy the whole cache on every
 extra row and positions are scratch space for a batch's padding: a padded forward writes every
 token it computes, so no write depends on the data (which compiled code wants).
 A session owns one row per branch; a row's *length* says how many leading positions hold valid
-keys, so truncation is a length change. Fork and reorder copy rows. Rows return to the free
-pool when the session closes, however its stream ended. When no row is free, a caller waits —
-bounded by the queue limit and its deadline — and then gets `ResourceExhausted` naming the limit.
+keys, so truncation is a length change. Fork and reorder copy rows. Rows return to the pool when
+the session closes, however its stream ended. When no row is free, a caller waits — bounded by
+the queue limit and its deadline — and then gets `ResourceExhausted` naming the limit.
+
+Prefix caching: a row released with the tokens it holds keeps its keys until a row is needed
+(least recently released first). A session that opens with a prompt beginning with those tokens
+takes that row and computes only the rest; vLLM's automatic prefix caching and SGLang's radix
+cache do the same per block of tokens. Keys depend only on the tokens before them, so the reused
+positions are the ones a prefill would write (bit for bit where the forward is row-invariant).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +31,8 @@ from specwire.errors import ResourceExhausted
 from specwire.session import CacheUsage
 
 SLACK = 64  # positions past max_len a padding token may be written to; longer jobs never pad
+# A kept row is taken for a shorter shared prefix than this only when no row is free.
+MIN_REUSE = 16
 
 
 @dataclass(frozen=True)
@@ -53,7 +62,9 @@ class CacheShape:
 class SlotCache:
     """Keys, values and per-row lengths; the row pool is guarded by one condition."""
 
-    def __init__(self, shape: CacheShape, device: torch.device, max_waiting: int = 64) -> None:
+    def __init__(
+        self, shape: CacheShape, device: torch.device, max_waiting: int = 64, prefix_cache: bool = True
+    ) -> None:
         self.shape = shape
         self.device = device
         size = (shape.rows + 1, shape.kv_heads, shape.max_len + SLACK, shape.head_dim)
@@ -63,20 +74,31 @@ class SlotCache:
         self.values = [torch.zeros(size, dtype=shape.dtype, device=device) for _ in range(shape.layers)]
         self.lengths = [0] * (shape.rows + 1)
         self._free = list(range(shape.rows - 1, -1, -1))  # pop() hands out low rows first
+        # Released rows whose keys stay (prefix caching): row → the tokens at its first positions,
+        # least recently released first. They count as free.
+        self.prefix_cache = prefix_cache
+        self._kept: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self.reused_tokens = 0  # positions sessions found cached, since the start
         self._changed = threading.Condition()
         self._waiting = 0
         self.max_waiting = max_waiting
 
     # -- the row pool ----------------------------------------------------------------------
 
-    def allocate(self, count: int, timeout_s: float | None, cancelled: Callable[[], bool] = lambda: False) -> list[int]:
+    def allocate(
+        self, count: int, timeout_s: float | None, cancelled: Callable[[], bool] = lambda: False,
+        prompt: Sequence[int] = (),
+    ) -> list[int]:
         """`count` rows, waiting at most `timeout_s` (None: the default wait) for others to free,
-        and no longer than `cancelled()` stays False (the caller's stream ended)."""
+        and no longer than `cancelled()` stays False (the caller's stream ended). With `prompt`,
+        the first row is the kept row holding the longest prefix of it, where one holds at least
+        MIN_REUSE tokens (or any, when no row is free), and its length says how many; the other
+        rows are empty."""
         if count > self.shape.rows:
             raise ResourceExhausted(f"cache rows: {count} wanted, the cache has {self.shape.rows} (--max-batch-rows)")
         deadline = time.monotonic() + (30.0 if timeout_s is None else max(0.0, timeout_s))
         with self._changed:
-            if len(self._free) < count:
+            if self._available() < count:
                 if self._waiting >= self.max_waiting:
                     raise ResourceExhausted(
                         f"cache rows: all {self.shape.rows} in use and {self._waiting} sessions already waiting "
@@ -84,32 +106,72 @@ class SlotCache:
                     )
                 self._waiting += 1
                 try:
-                    while len(self._free) < count:
+                    while self._available() < count:
                         left = deadline - time.monotonic()
                         if left <= 0 or cancelled():
                             raise ResourceExhausted(
-                                f"cache rows: {count} wanted, {len(self._free)} of {self.shape.rows} free "
+                                f"cache rows: {count} wanted, {self._available()} of {self.shape.rows} free "
                                 "before the deadline (--max-batch-rows)"
                             )
                         self._changed.wait(min(left, 0.1))  # wakes to notice a cancelled caller
                 finally:
                     self._waiting -= 1
-            rows = [self._free.pop() for _ in range(count)]
-        for row in rows:
-            self.lengths[row] = 0
-        return rows
-
-    def release(self, rows: list[int]) -> None:
-        with self._changed:
+            reused, rows = self._take_prefix(prompt, count) if prompt else (0, [])
+            while len(rows) < count:
+                if self._free:
+                    rows.append(self._free.pop())
+                else:  # the least recently released kept row
+                    rows.append(self._kept.popitem(last=False)[0])
             for row in rows:
                 self.lengths[row] = 0
-                self._free.append(row)
+            if rows and reused:
+                self.lengths[rows[0]] = reused
+                self.reused_tokens += reused
+        return rows
+
+    def _available(self) -> int:
+        return len(self._free) + len(self._kept)
+
+    def _take_prefix(self, prompt: Sequence[int], count: int) -> tuple[int, list[int]]:
+        """(tokens, [row]): the kept row sharing the longest prefix with `prompt`, taken out of
+        the kept ones, where that pays (`allocate`); else (0, [])."""
+        best, best_row = 0, -1
+        for row, held in self._kept.items():
+            shared = _shared_prefix(held, prompt)
+            if shared > best:
+                best, best_row = shared, row
+        if best == 0 or (best < MIN_REUSE and len(self._free) >= count):
+            return 0, []
+        del self._kept[best_row]
+        return best, [best_row]
+
+    def release(self, rows: list[int], held: Sequence[Sequence[int]] = ()) -> None:
+        """Rows back to the pool. `held[i]`: the tokens at rows[i]'s first positions, whose keys
+        it keeps for a later prompt that begins with them (none where empty or not given)."""
+        with self._changed:
+            for i, row in enumerate(rows):
+                tokens = tuple(held[i]) if self.prefix_cache and i < len(held) else ()
+                if tokens:
+                    self.lengths[row] = len(tokens)
+                    self._kept[row] = tokens
+                else:
+                    self.lengths[row] = 0
+                    self._free.append(row)
             self._free.sort(reverse=True)
             self._changed.notify_all()
 
+    def forget_kept(self, rows: Sequence[int]) -> None:
+        """Rows about to be written outside any session (`Scheduler.time_decode_step`) keep nothing."""
+        with self._changed:
+            for row in rows:
+                if self._kept.pop(row, None) is not None:
+                    self.lengths[row] = 0
+                    self._free.append(row)
+            self._free.sort(reverse=True)
+
     def usage(self) -> CacheUsage:
         with self._changed:
-            free = set(self._free)
+            free = set(self._free) | set(self._kept)
             used = [row for row in range(self.shape.rows) if row not in free]
             tokens = sum(self.lengths[row] for row in used)
             return CacheUsage(
@@ -120,6 +182,8 @@ class SlotCache:
                 bytes_in_use=tokens * self.shape.bytes_per_token,
                 bytes_total=self.shape.bytes,
                 waiting=self._waiting,
+                rows_kept=len(self._kept),
+                reused_tokens=self.reused_tokens,
             )
 
     # -- row contents ----------------------------------------------------------------------
@@ -149,3 +213,18 @@ class SlotCache:
                 picked = store[row].index_select(1, index)  # [kv_heads, len(kept), head_dim]
                 store[row, :, start : start + len(kept)] = picked
         self.lengths[row] = start + len(kept)
+
+
+def _shared_prefix(held: Sequence[int], prompt: Sequence[int]) -> int:
+    """How many leading tokens `held` and `prompt` share."""
+    n = min(len(held), len(prompt))
+    if tuple(held[:n]) == tuple(prompt[:n]):
+        return n
+    low, high = 0, n  # held[:low] matches, held[:high] does not
+    while high - low > 1:
+        mid = (low + high) // 2
+        if tuple(held[:mid]) == tuple(prompt[:mid]):
+            low = mid
+        else:
+            high = mid
+    return low

@@ -48,6 +48,7 @@ class EngineLimits:
     max_cache_len: int = 0  # tokens per row; at most the model's context
     max_queued_sessions: int = 64  # sessions waiting for free rows before RESOURCE_EXHAUSTED
     queue_timeout_s: float = 30.0  # longest wait for free rows
+    prefix_cache: bool = True  # released rows keep their keys for later prompts (`SlotCache`)
     batching: bool = True  # False: transformers' forward, one DynamicCache per session, no batching
     # torch.compile of the batched forward: "on", "off", or "auto" = where it was measured to
     # pay (COMPILE_PAYS_ON). Default: $SPECWIRE_COMPILE, else "auto".
@@ -96,7 +97,8 @@ class Engine:
         lean = lean_model(lm.model) if self.limits.batching else None
         if lean is not None:
             rows, max_len = cache_size(lean, lm, self.limits)
-            self.cache = SlotCache(lean.cache_shape(rows, max_len), lm.device, self.limits.max_queued_sessions)
+            self.cache = SlotCache(lean.cache_shape(rows, max_len), lm.device, self.limits.max_queued_sessions,
+                                   self.limits.prefix_cache)
             self.scheduler = Scheduler(lean, self.cache, lm.device,
                                        row_invariant=lm.quantization in quantize.ACTIVATION_QUANTISED)
             log.info(

@@ -346,6 +346,7 @@ class Scheduler:
         of fused greedy steps (None where they are not compiled). The rows' lengths go back to 0."""
         if rows > self.cache.scratch_row:
             raise ValueError(f"rows must be ≤ {self.cache.scratch_row}, got {rows}")
+        self.cache.forget_kept(range(rows))
 
         def job() -> ForwardJob:
             return ForwardJob(list(range(rows)), torch.zeros((rows, 1), dtype=torch.long), start, 1)

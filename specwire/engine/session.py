@@ -83,7 +83,10 @@ class SessionKV(Protocol):
 
     cached: int  # leading positions of every branch held in the cache
 
-    def open(self, branches: int) -> None: ...
+    def open(self, branches: int, prompt: list[int] | None = None) -> None:
+        """Fresh branches for `prompt`; `cached` then says how many of its tokens they hold
+        already (a prefix cache's hit), else 0."""
+        ...
 
     def crop(self, keep: int) -> None: ...
 
@@ -131,7 +134,7 @@ class DynamicKV:
         self.cache: DynamicCache | None = None
         self.cached = 0
 
-    def open(self, branches: int) -> None:
+    def open(self, branches: int, prompt: list[int] | None = None) -> None:
         self.cache, self.cached = None, 0
 
     def crop(self, keep: int) -> None:
@@ -237,7 +240,9 @@ class SlotKV:
     """Rows of the service's slot cache (one per branch); forwards go through the scheduler.
 
     `close` may come from another thread while a forward or a wait for rows is under way: the
-    rows are then released by the thread doing that work, when it ends.
+    rows are then released by the thread doing that work, when it ends, and keep nothing.
+    The rows' token ids are noted here, from the forwards themselves, so that a row released
+    with them can serve a later prompt that begins the same way (`SlotCache`).
     """
 
     def __init__(self, cache: SlotCache, scheduler: Scheduler, wait_s: float) -> None:
@@ -246,6 +251,9 @@ class SlotKV:
         self.wait_s = wait_s  # longest wait for free rows; `set_deadline` may shorten it
         self.rows: list[int] = []
         self.cached = 0
+        # [branches, n]: the token ids at each row's first n positions (n ≤ cached; a tree's
+        # nodes and a round's drawn tokens are left out, so it may fall short of `cached`)
+        self.known = torch.empty((0, 0), dtype=torch.long)
         self.batch_rows = 0  # `take_load`
         self._load_rows = 0  # the rows of the last reply that carried curves, and replies since
         self._load_age = 0
@@ -263,18 +271,25 @@ class SlotKV:
         with self._lock:
             self._busy = False
             if self._closed:
-                self._release()
+                self._release(keep=False)
 
-    def _release(self) -> None:
+    def _release(self, keep: bool) -> None:
         rows, self.rows = self.rows, []
+        held = self.known[:, : self.cached].tolist() if keep and self.known.shape[0] == len(rows) else []
+        self.known = torch.empty((0, 0), dtype=torch.long)
         if rows:
-            self.cache.release(rows)
+            self.cache.release(rows, held)
 
-    def open(self, branches: int) -> None:
+    def open(self, branches: int, prompt: list[int] | None = None) -> None:
+        """Rows for `branches` branches of `prompt`; `cached` says how much of it they hold."""
         self._enter()
         try:
-            self._resize(branches)
-            self.cached = 0
+            self._release(keep=True)
+            self.rows = self.cache.allocate(branches, self.wait_s, lambda: self._closed, prompt or ())
+            self.cached = self.cache.lengths[self.rows[0]]
+            if self.cached and branches > 1:
+                self.cache.copy_rows(self.rows[:1] * (branches - 1), self.rows[1:])
+            self.known = torch.tensor(prompt[: self.cached] if prompt else [], dtype=torch.long).expand(branches, -1)
         finally:
             self._leave()
 
@@ -300,6 +315,7 @@ class SlotKV:
                     self.cache.lengths[row] = self.cached
                 self.cache.copy_rows(sources, targets)
             self._resize(len(order))
+            self.known = self.known[order]
         finally:
             self._leave()
 
@@ -346,6 +362,7 @@ class SlotKV:
         on this session's rows with its own positions, tree mask, hidden-state and attention
         requests (see `ForwardJob`). The rows then hold job.start + n positions; `keep_path`
         compacts an accepted subset. `forward` is this with the defaults (causal, logits only)."""
+        start, tokens = job.start, job.tokens  # a decode round moves these on
         self._enter()
         try:
             job.rows, job.owner = list(self.rows), self
@@ -354,6 +371,10 @@ class SlotKV:
             self._leave()
         self.batch_rows = max(self.batch_rows, job.batch_rows)
         self.cached = job.start + job.new_tokens
+        known = self.known[:, :start]
+        if job.tree_mask is None and job.positions is None and known.shape == (tokens.shape[0], start):
+            known = torch.cat([known, tokens.cpu()], dim=1)
+        self.known = known
         return job
 
     def keep_path(self, start: int, kept: list[int]) -> None:
@@ -384,7 +405,7 @@ class SlotKV:
         with self._lock:
             self._closed = True
             if not self._busy:
-                self._release()
+                self._release(keep=True)
         self.scheduler.forget(self)
 
 
@@ -440,7 +461,7 @@ class EngineSession:
         prompt = torch.tensor(request.prompt_ids, dtype=torch.long).unsqueeze(0)
         self.tokens = prompt.expand(request.num_branches, -1).clone()
         self.tree_start, self.last_hidden, self.tree_hidden = None, None, None
-        self.kv.open(request.num_branches)
+        self.kv.open(request.num_branches, list(request.prompt_ids))
         return self._finish(request.scoring, 0, False, 0, 0.0)
 
     def _step(self, request: StepRequest) -> StepResult:

@@ -68,7 +68,7 @@ class ModelInfo(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., role: _Optional[str] = ..., tokenizer_source: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., cache: _Optional[_Union[CacheInfo, _Mapping]] = ..., medusa_heads: _Optional[int] = ..., forward_costs: _Optional[_Iterable[_Union[_common_pb2.ForwardCost, _Mapping]]] = ..., decode_ms_per_token: _Optional[float] = ..., startup: _Optional[_Union[_common_pb2.StartupTimes, _Mapping]] = ..., quantization: _Optional[str] = ..., compiled: _Optional[bool] = ..., compiling: _Optional[bool] = ..., medusa_choices: _Optional[str] = ...) -> None: ...
 
 class CacheInfo(_message.Message):
-    __slots__ = ("rows", "rows_in_use", "max_len", "tokens_in_use", "bytes_in_use", "bytes_total", "sessions_waiting")
+    __slots__ = ("rows", "rows_in_use", "max_len", "tokens_in_use", "bytes_in_use", "bytes_total", "sessions_waiting", "rows_kept", "prefix_reused_tokens")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     ROWS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     MAX_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,8 @@ class CacheInfo(_message.Message):
     BYTES_IN_USE_FIELD_NUMBER: _ClassVar[int]
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    ROWS_KEPT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rows: int
     rows_in_use: int
     max_len: int
@@ -83,7 +85,9 @@ class CacheInfo(_message.Message):
     bytes_in_use: int
     bytes_total: int
     sessions_waiting: int
-    def __init__(self, rows: _Optional[int] = ..., rows_in_use: _Optional[int] = ..., max_len: _Optional[int] = ..., tokens_in_use: _Optional[int] = ..., bytes_in_use: _Optional[int] = ..., bytes_total: _Optional[int] = ..., sessions_waiting: _Optional[int] = ...) -> None: ...
+    rows_kept: int
+    prefix_reused_tokens: int
+    def __init__(self, rows: _Optional[int] = ..., rows_in_use: _Optional[int] = ..., max_len: _Optional[int] = ..., tokens_in_use: _Optional[int] = ..., bytes_in_use: _Optional[int] = ..., bytes_total: _Optional[int] = ..., sessions_waiting: _Optional[int] = ..., rows_kept: _Optional[int] = ..., prefix_reused_tokens: _Optional[int] = ...) -> None: ...
 
 class ProcessingConfig(_message.Message):
     __slots__ = ("repetition_penalty", "no_repeat_ngram_size", "temperature", "top_k", "top_p", "min_p", "min_tokens_to_keep")
