@@ -63,8 +63,9 @@ def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: i
     parser.add_argument("--max-queued-sessions", type=int, default=64, help="sessions waiting for free rows before RESOURCE_EXHAUSTED")
     parser.add_argument(
         "--prefix-cache", default="on", choices=["on", "off"],
-        help="released KV-cache rows keep their keys until needed; a prompt that begins the same way reuses them "
-        "(off: nothing is shared between sessions, e.g. between tenants)",
+        help="closed sessions' KV-cache rows keep their keys until needed, and a prompt that begins the same way "
+        "reuses them, where the forward is row-invariant (--quantize int8, int4, w4a8); off: nothing is shared "
+        "between sessions, e.g. between tenants",
     )
     parser.add_argument(
         "--engine", default="batched", choices=["batched", "hf"],

@@ -12,8 +12,9 @@ the queue limit and its deadline — and then gets `ResourceExhausted` naming th
 
 Prefix caching: a row released with the tokens it holds keeps its keys until a row is needed
 (least recently released first). A session that opens with a prompt beginning with those tokens
-takes that row and computes only the rest; vLLM's automatic prefix caching and SGLang's radix
-cache do the same per block of tokens. Keys depend only on the tokens before them, so the reused
+gets them copied into a free row, or takes the kept row itself when none is free, and computes
+only the rest; vLLM's automatic prefix caching and SGLang's radix cache do the same per block of
+tokens. Keys depend only on the tokens before them, so the reused
 positions are the ones a prefill would write (bit for bit where the forward is row-invariant).
 """
 
@@ -92,8 +93,9 @@ class SlotCache:
         """`count` rows, waiting at most `timeout_s` (None: the default wait) for others to free,
         and no longer than `cancelled()` stays False (the caller's stream ended). With `prompt`,
         the first row is the kept row holding the longest prefix of it, where one holds at least
-        MIN_REUSE tokens (or any, when no row is free), and its length says how many; the other
-        rows are empty."""
+        MIN_REUSE tokens (or any, when no row is free): a free row with a copy of those keys, or
+        the kept row itself where no row is free. Its length says how many; the other rows are
+        empty."""
         if count > self.shape.rows:
             raise ResourceExhausted(f"cache rows: {count} wanted, the cache has {self.shape.rows} (--max-batch-rows)")
         deadline = time.monotonic() + (30.0 if timeout_s is None else max(0.0, timeout_s))
@@ -133,17 +135,24 @@ class SlotCache:
         return len(self._free) + len(self._kept)
 
     def _take_prefix(self, prompt: Sequence[int], count: int) -> tuple[int, list[int]]:
-        """(tokens, [row]): the kept row sharing the longest prefix with `prompt`, taken out of
-        the kept ones, where that pays (`allocate`); else (0, [])."""
-        best, best_row = 0, -1
+        """(tokens, [row]): the longest prefix of `prompt` a kept row holds, in a free row (the
+        kept one stays, for the next such prompt) or in the kept row itself where no row is
+        free, where that pays (`allocate`); else (0, [])."""
+        best, source = 0, -1
         for row, held in self._kept.items():
             shared = _shared_prefix(held, prompt)
             if shared > best:
-                best, best_row = shared, row
+                best, source = shared, row
         if best == 0 or (best < MIN_REUSE and len(self._free) >= count):
             return 0, []
-        del self._kept[best_row]
-        return best, [best_row]
+        if len(self._free) >= count:
+            row = self._free.pop()
+            for store in self.keys + self.values:
+                store[row, :, :best] = store[source, :, :best]
+            self._kept.move_to_end(source)
+            return best, [row]
+        del self._kept[source]
+        return best, [source]
 
     def release(self, rows: list[int], held: Sequence[Sequence[int]] = ()) -> None:
         """Rows back to the pool. `held[i]`: the tokens at rows[i]'s first positions, whose keys
@@ -151,7 +160,7 @@ class SlotCache:
         with self._changed:
             for i, row in enumerate(rows):
                 tokens = tuple(held[i]) if self.prefix_cache and i < len(held) else ()
-                if tokens:
+                if tokens and self._keep(tokens):
                     self.lengths[row] = len(tokens)
                     self._kept[row] = tokens
                 else:
@@ -159,6 +168,18 @@ class SlotCache:
                     self._free.append(row)
             self._free.sort(reverse=True)
             self._changed.notify_all()
+
+    def _keep(self, tokens: tuple[int, ...]) -> bool:
+        """Whether a row holding `tokens` is worth keeping: not where a kept row holds them and
+        more; kept rows holding a prefix of them are freed (this one serves their prompts)."""
+        for row, held in list(self._kept.items()):
+            if len(held) >= len(tokens) and held[: len(tokens)] == tokens:
+                return False
+            if held == tokens[: len(held)]:
+                del self._kept[row]
+                self.lengths[row] = 0
+                self._free.append(row)
+        return True
 
     def forget_kept(self, rows: Sequence[int]) -> None:
         """Rows about to be written outside any session (`Scheduler.time_decode_step`) keep nothing."""

@@ -48,7 +48,9 @@ class EngineLimits:
     max_cache_len: int = 0  # tokens per row; at most the model's context
     max_queued_sessions: int = 64  # sessions waiting for free rows before RESOURCE_EXHAUSTED
     queue_timeout_s: float = 30.0  # longest wait for free rows
-    prefix_cache: bool = True  # released rows keep their keys for later prompts (`SlotCache`)
+    # Released rows keep their keys for later prompts (`SlotCache`), where the forward is
+    # row-invariant (activation-quantised weights).
+    prefix_cache: bool = True
     batching: bool = True  # False: transformers' forward, one DynamicCache per session, no batching
     # torch.compile of the batched forward: "on", "off", or "auto" = where it was measured to
     # pay (COMPILE_PAYS_ON). Default: $SPECWIRE_COMPILE, else "auto".
@@ -97,10 +99,12 @@ class Engine:
         lean = lean_model(lm.model) if self.limits.batching else None
         if lean is not None:
             rows, max_len = cache_size(lean, lm, self.limits)
+            row_invariant = lm.quantization in quantize.ACTIVATION_QUANTISED
+            # Only a row-invariant forward gives a token the bits it would get computed with any
+            # other tokens, so only there does a kept key equal what a prefill would write.
             self.cache = SlotCache(lean.cache_shape(rows, max_len), lm.device, self.limits.max_queued_sessions,
-                                   self.limits.prefix_cache)
-            self.scheduler = Scheduler(lean, self.cache, lm.device,
-                                       row_invariant=lm.quantization in quantize.ACTIVATION_QUANTISED)
+                                   prefix_cache=self.limits.prefix_cache and row_invariant)
+            self.scheduler = Scheduler(lean, self.cache, lm.device, row_invariant=row_invariant)
             log.info(
                 "%s: slot cache of %d rows × %d tokens (%.1f MiB)", role, rows, max_len, self.cache.shape.bytes / 2**20
             )
