@@ -369,12 +369,13 @@ class SlotKV:
             self.scheduler.run(job)
         finally:
             self._leave()
-        self.batch_rows = max(self.batch_rows, job.batch_rows)
-        self.cached = job.start + job.new_tokens
         known = self.known[:, :start]
         if job.tree_mask is None and job.positions is None and known.shape == (tokens.shape[0], start):
             known = torch.cat([known, tokens.cpu()], dim=1)
-        self.known = known
+        with self._lock:  # a `close` from another thread sees both or neither
+            self.batch_rows = max(self.batch_rows, job.batch_rows)
+            self.cached = job.start + job.new_tokens
+            self.known = known
         return job
 
     def keep_path(self, start: int, kept: list[int]) -> None:
