@@ -14,8 +14,8 @@ Prefix caching: a row released with the tokens it holds keeps its keys until a r
 (least recently released first). A session that opens with a prompt beginning with those tokens
 gets them copied into a free row, or takes the kept row itself when none is free, and computes
 only the rest; vLLM's automatic prefix caching and SGLang's radix cache do the same per block of
-tokens. Keys depend only on the tokens before them, so the reused
-positions are the ones a prefill would write (bit for bit where the forward is row-invariant).
+tokens. The engine keeps keys only where its forward is row-invariant: there a reused key has the
+bits a prefill would write.
 """
 
 from __future__ import annotations
@@ -164,10 +164,14 @@ class SlotCache:
                     self.lengths[row] = len(tokens)
                     self._kept[row] = tokens
                 else:
-                    self.lengths[row] = 0
-                    self._free.append(row)
+                    self._to_free(row)
             self._free.sort(reverse=True)
             self._changed.notify_all()
+
+    def _to_free(self, row: int) -> None:
+        """`row` holds nothing and is free; the caller sorts the free list."""
+        self.lengths[row] = 0
+        self._free.append(row)
 
     def _keep(self, tokens: tuple[int, ...]) -> bool:
         """Whether a row holding `tokens` is worth keeping: not where a kept row holds them and
@@ -177,8 +181,7 @@ class SlotCache:
                 return False
             if held == tokens[: len(held)]:
                 del self._kept[row]
-                self.lengths[row] = 0
-                self._free.append(row)
+                self._to_free(row)
         return True
 
     def forget_kept(self, rows: Sequence[int]) -> None:
@@ -186,8 +189,7 @@ class SlotCache:
         with self._changed:
             for row in rows:
                 if self._kept.pop(row, None) is not None:
-                    self.lengths[row] = 0
-                    self._free.append(row)
+                    self._to_free(row)
             self._free.sort(reverse=True)
 
     def usage(self) -> CacheUsage:
@@ -238,14 +240,5 @@ class SlotCache:
 
 def _shared_prefix(held: Sequence[int], prompt: Sequence[int]) -> int:
     """How many leading tokens `held` and `prompt` share."""
-    n = min(len(held), len(prompt))
-    if tuple(held[:n]) == tuple(prompt[:n]):
-        return n
-    low, high = 0, n  # held[:low] matches, held[:high] does not
-    while high - low > 1:
-        mid = (low + high) // 2
-        if tuple(held[:mid]) == tuple(prompt[:mid]):
-            low = mid
-        else:
-            high = mid
-    return low
+    shorter = min(len(held), len(prompt))
+    return next((i for i, (a, b) in enumerate(zip(held[:shorter], prompt[:shorter], strict=True)) if a != b), shorter)

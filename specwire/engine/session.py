@@ -275,7 +275,8 @@ class SlotKV:
 
     def _release(self, keep: bool) -> None:
         rows, self.rows = self.rows, []
-        held = self.known[:, : self.cached].tolist() if keep and self.known.shape[0] == len(rows) else []
+        keep = keep and self.cache.prefix_cache and self.known.shape[0] == len(rows)
+        held = self.known[:, : self.cached].tolist() if keep else []
         self.known = torch.empty((0, 0), dtype=torch.long)
         if rows:
             self.cache.release(rows, held)
