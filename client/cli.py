@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import shlex
@@ -13,19 +14,33 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specwire.bench import bench, bounds, draft_quality, experiment, quality, report, soak, startup
 from specwire.bench.entropix_plot import STATE_COLOURS, plot_decisions
 from specwire.client import pair
 from specwire.client.sdk import Client, GenerateResult, GenerationError, enum_names
-from specwire.draft_service import distill
-from specwire.target_service import train_medusa
 from specwire.v1 import orchestrator_pb2
 
-from specwire import __version__, model_zoo, teacher_cache
-from specwire.config import ModelServiceConfig, OrchestratorConfig, compile_default
-from specwire.engine import quantize
+from specwire import __version__, model_zoo
+from specwire.config import QUANTIZE_MODES, ModelServiceConfig, OrchestratorConfig, compile_default
 from specwire.extras import require
 from specwire.serving import exit_now
+
+# Commands defined in their own modules: (module, entry point). Only the command being run is
+# imported, so a client command such as `generate` starts in a second, without torch.
+MODULE_COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("specwire.bench.bench", "run"),
+    "report": ("specwire.bench.report", "run"),
+    "experiment": ("specwire.bench.experiment", "run"),
+    "soak": ("specwire.bench.soak", "run"),
+    "bounds": ("specwire.bench.bounds", "run"),
+    "startup-time": ("specwire.bench.startup", "run"),
+    "distill": ("specwire.draft_service.distill", "run"),
+    "train-medusa": ("specwire.target_service.train_medusa", "main"),
+    "teacher-cache": ("specwire.teacher_cache", "run"),
+    "pair": ("specwire.client.pair", "run"),
+    "models": ("specwire.model_zoo", "run"),
+    "quality": ("specwire.bench.quality", "run"),
+    "draft-quality": ("specwire.bench.draft_quality", "run"),
+}
 
 # Generation flags: (flag, type, help). The SDK keyword is the flag with underscores.
 GENERATION_FLAGS: list[tuple[str, Any, str]] = [
@@ -93,7 +108,7 @@ def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: i
 
 def _add_quantize_flag(parser: argparse.ArgumentParser, flag: str = "--quantize", whom: str = "the model") -> None:
     parser.add_argument(
-        flag, default="auto", choices=list(quantize.MODES),
+        flag, default="auto", choices=list(QUANTIZE_MODES),
         help=f"{whom}'s linear weights: int8 / int4 on CPU; auto = what measured fastest here "
         "(none for a model in the CPU's caches, int4 up to 256 MiB of float weights, int8 above; none on CUDA)",
     )
@@ -143,7 +158,9 @@ def _telemetry_config(args: argparse.Namespace) -> Any:
     return TelemetryConfig(args.trace_exporter, args.trace_file, args.trace_sample_ratio, args.metrics_port)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser; given the command being run, other modules' commands are left
+    bare (their flags unparsed, their modules not imported)."""
     parser = argparse.ArgumentParser(prog="specwire", description="LLM decoding as a gRPC draft/target service pair.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     parser.add_argument("--version", action="version", version=f"specwire {__version__}")
@@ -228,19 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a name or IP the certificates are valid for (repeatable; localhost and 127.0.0.1 always, "
         "and specwire-<service>, the Kubernetes Service names)",
     )
-    bench.add_parser(commands)
-    report.add_parser(commands)
-    experiment.add_parser(commands)
-    soak.add_parser(commands)
-    bounds.add_parser(commands)
-    startup.add_parser(commands)
-    distill.add_parser(commands)
-    train_medusa.add_parser(commands)
-    teacher_cache.add_parser(commands)
-    pair.add_parser(commands)
-    model_zoo.add_parser(commands)
-    quality.add_parser(commands)
-    draft_quality.add_parser(commands)
+    for name, (module, _) in MODULE_COMMANDS.items():
+        if command in (None, name):
+            importlib.import_module(module).add_parser(commands)
+        else:
+            commands.add_parser(name)
     return parser
 
 
@@ -688,17 +697,21 @@ def interrupt_on_sigterm(backstop_s: int) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
-COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace, "bench": bench.run, "report": report.run, "experiment": experiment.run, "soak": soak.run, "bounds": bounds.run, "startup-time": startup.run, "distill": distill.run, "train-medusa": train_medusa.main, "teacher-cache": teacher_cache.run, "pair": pair.run, "models": model_zoo.run, "quality": quality.run, "draft-quality": draft_quality.run}
+COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": cmd_demo, "serve": cmd_serve, "trace": cmd_trace}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    command = next((word for word in argv if not word.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS or command in MODULE_COMMANDS else None).parse_args(argv)
     args.command_line = shlex.join(["specwire", *argv])  # recorded with measurements (`bench`)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     if args.command in STACK_COMMANDS:
         interrupt_on_sigterm(STOP_BACKSTOP_S.get(args.command, STOP_BACKSTOP_DEFAULT_S))
     try:
+        if args.command in MODULE_COMMANDS:
+            module, entry = MODULE_COMMANDS[args.command]
+            return int(getattr(importlib.import_module(module), entry)(args))
         return COMMANDS[args.command](args)
     except GenerationError as error:
         print(f"{error.code.name}: {error.message}", file=sys.stderr)

@@ -27,11 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specwire.draft_service import distill
-from specwire.target_service import train_medusa, tune_medusa_tree
-
 from specwire import model_zoo
-from specwire.medusa import CHOICES_NAME
 
 log = logging.getLogger("specwire")
 
@@ -71,6 +67,11 @@ def parse_command(add_parser: Callable[[Any], None], argv: list[str]) -> argpars
 
 def build(name: str, out: Path, threads: int, medusa: bool = True) -> dict[str, Any]:
     """Every missing part of NAME's pair under `out`; returns the record of what each step took."""
+    # Here, not above: `specwire demo --pair` reads RECIPES without loading the trainers.
+    from specwire.draft_service import distill
+    from specwire.medusa import CHOICES_NAME
+    from specwire.target_service import train_medusa, tune_medusa_tree
+
     recipe = RECIPES[name]
     record_path = out / RECORD
     record: dict[str, Any] = json.loads(record_path.read_text()) if record_path.exists() else {"name": name}

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from specwire.security import ClientTLS, ServerTLS
 
+QUANTIZE_MODES = ("none", "int8", "int4", "w4a8", "auto")  # --quantize (`engine.quantize`)
+
 
 def compile_default() -> str:
     """`--compile` / `EngineLimits.compile` unless given: $SPECWIRE_COMPILE, else "auto". (The

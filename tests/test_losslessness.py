@@ -6,7 +6,7 @@ when sampled (DESIGN.md, principle 5; Leviathan et al. 2023, Theorem 1).
 - Sampled, pure: 200k draws through `accept_drafts` fed a real (small-vocabulary) draft's and
   target's distributions; the first token, and the first two jointly, follow the target
   (chi-square, p > 0.001) at temperature 1 and with top-p 0.9. Wrong rules fail the same test.
-- Sampled, end to end: 2k generations over gRPC with distinct seeds (1k more with the n-gram
+- Sampled, end to end: 1k generations over gRPC with distinct seeds (1k more with the n-gram
   drafter); the first and second tokens' histograms follow the target's exact marginals. With
   pipelined drafting and with auto γ, the first three tokens' histograms do.
 """
@@ -180,6 +180,10 @@ def test_wrong_acceptance_rules_fail_the_same_test(
 # -- sampled, end to end over gRPC ---------------------------------------------------------------
 
 E2E_CONCURRENCY = 32
+# Generations per end-to-end test: the expected count of every token the target gives ≥ 1% is
+# ≥ 10, and what these tests guard (what crosses the wire, whose q, which rows roll back) breaks
+# the distribution grossly; the rules' fine detail is the 200k-draw tests' above.
+E2E_SAMPLES = 1000
 
 
 async def _first_tokens(
@@ -203,15 +207,15 @@ async def _first_tokens(
     [
         # γ = 2 and three tokens: token 1 is an accepted draft or a correction; token 2 an accepted
         # draft, a correction, a bonus, or the next round's after both sessions rolled back.
-        ("small_stack", "abcab", 2, 2000, 2),
+        ("small_stack", "abcab", 2, E2E_SAMPLES, 2),
         # The n-gram drafter's proposals carry no q: the orchestrator's one-hot q must stay exact.
-        ("small_ngram_stack", "abcabcab", 1, 1000, 2),
+        ("small_ngram_stack", "abcabcab", 1, E2E_SAMPLES, 2),
         # γ = 1, four tokens: when token 1 is accepted and the bonus equals the draft's guess,
         # token 3 comes from the round proposed during the first verification (pipelined).
-        ("small_stack", "abcab", 1, 1500, 3),
+        ("small_stack", "abcab", 1, E2E_SAMPLES, 3),
         # Auto γ (0): its γ, and its target-only rounds, follow timings; the output must not.
         # Untimed services, so that the first round speculates.
-        ("small_untimed_stack", "abcab", 0, 1500, 3),
+        ("small_untimed_stack", "abcab", 0, E2E_SAMPLES, 3),
     ],
     ids=["model-draft", "ngram-draft", "pipelined", "auto-gamma"],
 )
@@ -246,9 +250,9 @@ def test_speculative_generation_follows_target_distribution_over_grpc(
 def _assert_first_two_tokens_follow_the_target(
     stack: Stack, target_dir: Path, char_tokenizer: Any, label: str, **params: Any
 ) -> None:
-    """1,500 seeded generations from "abcab": the first token and the second token's marginal
+    """E2E_SAMPLES seeded generations from "abcab": the first token and the second token's marginal
     each pass the chi-square test against the target's own distributions."""
-    tokens, _ = asyncio.run(_first_tokens(stack.address, "abcab", 1500, 2, **params))
+    tokens, _ = asyncio.run(_first_tokens(stack.address, "abcab", E2E_SAMPLES, 2, **params))
     outputs = np.array(tokens)
     target = TwoStepDistributions(target_dir, char_tokenizer("abcab").input_ids, ProcessingConfig())
     vocab = target.first.shape[0]

@@ -5,7 +5,7 @@
 - Lossless, pure: 200k draws through `accept_tree_sampled` on a real small model's distributions
   over a 3-wide, 2-deep tree; the first token, and the first two jointly, follow the target
   (chi-square, p > 0.001) at temperature 1 and with top-p 0.9. Two wrong rules fail it.
-- Lossless, over gRPC: 2k generations at T = 0.7 with distinct seeds; the second and third
+- Lossless, over gRPC: 1k generations at T = 0.7 with distinct seeds; the second and third
   tokens (the first two a tree verifies) follow the target's exact marginals.
 """
 
@@ -27,7 +27,7 @@ from specwire.medusa import build_tree, tree_attention, tree_depths, tree_path
 from specwire.processing import ProcessingConfig
 from tests.goodness_of_fit import chi_square_pvalue
 from tests.harness import Stack
-from tests.test_losslessness import TwoStepDistributions
+from tests.test_losslessness import E2E_SAMPLES, TwoStepDistributions
 
 pytest_plugins = ["tests.spec_fixtures", "tests.medusa_fixtures"]
 
@@ -196,7 +196,7 @@ async def _first_tokens(address: str, prompt: str, samples: int, **params: Any) 
 def test_lossless_medusa_follows_the_target_over_grpc(
     small_medusa_stack: Stack, small_target_dir: Path, char_tokenizer: Any
 ) -> None:
-    prompt, samples = "abcab", 2000
+    prompt, samples = "abcab", E2E_SAMPLES
     wide = [[0], [1], [2], [3], [4], [5], [0, 0], [0, 1], [1, 0], [1, 1], [2, 0]]  # most of the mass is a candidate
     params = {"temperature": 0.7, "max_new_tokens": 3, "medusa_choices": wide}
     runs = asyncio.run(_first_tokens(small_medusa_stack.address, prompt, samples, **params))

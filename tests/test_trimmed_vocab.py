@@ -7,7 +7,7 @@ mass on ids the draft can never propose (Leviathan et al. 2023, Theorem 1).
 - Exactness, pure: 200k γ = 2 rounds through `accept_drafts` fed the trimmed draft's q; the first
   token and the first two jointly follow the target (chi-square). A draft whose ids are not mapped
   back, and a residual confined to the draft's ids, fail the same test.
-- Exactness, end to end: 1,500 seeded generations over gRPC; greedy equals target-only greedy.
+- Exactness, end to end: 1,000 seeded generations over gRPC; greedy equals target-only greedy.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from specwire.processing import ProcessingConfig
 from tests.conftest import make_stack
 from tests.goodness_of_fit import chi_square_pvalue
 from tests.harness import LoopThread, Stack
-from tests.test_losslessness import ALPHA, SAMPLES, TwoStepDistributions, _first_tokens, speculate_two_tokens
+from tests.test_losslessness import ALPHA, E2E_SAMPLES, SAMPLES, TwoStepDistributions, _first_tokens, speculate_two_tokens
 
 pytest_plugins = ["tests.spec_fixtures"]
 
@@ -170,7 +170,7 @@ def test_speculative_generation_with_a_trimmed_draft_follows_the_target_over_grp
     trimmed_stack: Stack, small_target_dir: Path, char_tokenizer: Any
 ) -> None:
     params = {"temperature": 1.0, "num_speculative_tokens": 2, "max_new_tokens": 4}
-    tokens, _ = asyncio.run(_first_tokens(trimmed_stack.address, PROMPT, 1500, 2, **params))
+    tokens, _ = asyncio.run(_first_tokens(trimmed_stack.address, PROMPT, E2E_SAMPLES, 2, **params))
     outputs = np.array(tokens)
     target = TwoStepDistributions(small_target_dir, char_tokenizer(PROMPT).input_ids, ProcessingConfig())
     vocab = target.first.shape[0]

@@ -26,11 +26,11 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from specwire.config import QUANTIZE_MODES as MODES
 from specwire.engine import kernels
 
 log = logging.getLogger("specwire")
 
-MODES = ("none", "int8", "int4", "w4a8", "auto")
 # Modes that round activations (int8 per row, int4 through bfloat16): ~1e-7 differences upstream
 # can flip a rounding, so the engine keeps each row's arithmetic independent of its batch.
 ACTIVATION_QUANTISED = ("int8", "int4", "w4a8")
