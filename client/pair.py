@@ -69,8 +69,9 @@ def build(name: str, out: Path, threads: int, medusa: bool = True) -> dict[str, 
     """Every missing part of NAME's pair under `out`; returns the record of what each step took."""
     # Here, not above: `specwire demo --pair` reads RECIPES without loading the trainers.
     from specwire.draft_service import distill
-    from specwire.medusa import CHOICES_NAME
     from specwire.target_service import train_medusa, tune_medusa_tree
+
+    from specwire.medusa import CHOICES_NAME
 
     recipe = RECIPES[name]
     record_path = out / RECORD

@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, GenerationConfig
 
-from specwire.engine import eos_token_ids, load_tokenizer, tokenizer_fingerprint
 from specwire.errors import InvalidArgument, check_token_ids
 from specwire.session import (
     ModelInfo,
@@ -36,6 +35,7 @@ from specwire.session import (
     StepRequest,
     StepResult,
 )
+from specwire.tokenizer import eos_token_ids, load_tokenizer, tokenizer_fingerprint
 
 MAX_PROPOSE = 64
 # No model, no position embeddings: the only bound is memory, and the target's context is smaller.

@@ -35,10 +35,10 @@ from specwire.v1 import orchestrator_pb2
 from transformers import PreTrainedTokenizerBase
 
 from specwire import telemetry
-from specwire.engine import tokenizer_fingerprint
 from specwire.errors import FailedPrecondition, InvalidArgument, StatusError, Unavailable, echo
 from specwire.metrics import OrchestratorMetrics
 from specwire.session import ModelInfo
+from specwire.tokenizer import tokenizer_fingerprint
 
 Strategy = Callable[[DecodeContext], AsyncGenerator[list[int], None]]
 

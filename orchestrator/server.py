@@ -19,10 +19,10 @@ from specwire.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from specwire import security, serving, telemetry, wire
 from specwire.config import OrchestratorConfig
-from specwire.engine import load_tokenizer
 from specwire.errors import FailedPrecondition, StatusError, capped
 from specwire.metrics import OrchestratorMetrics, serve_metrics
 from specwire.startup import StartupClock, StartupTimes
+from specwire.tokenizer import load_tokenizer
 
 log = logging.getLogger("specwire")
 SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from specwire.engine.model import eos_token_ids
 from specwire.engine.trimmed_vocab import TrimmedVocab, most_frequent
+from specwire.tokenizer import eos_token_ids
 
 
 def draft_vocabulary(stream: np.ndarray, k: int, target: Any, tokenizer: Any) -> TrimmedVocab:

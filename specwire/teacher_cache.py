@@ -32,7 +32,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from specwire.demo import train_pair
-from specwire.engine.model import tokenizer_fingerprint
+from specwire.tokenizer import tokenizer_fingerprint
 
 META = "meta.json"
 SHARD_WINDOWS = 16  # windows per shard: the unit of resumption

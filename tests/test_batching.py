@@ -365,14 +365,15 @@ def test_a_re_timing_that_fails_after_the_compiler_still_ends_compiling(
 
 
 @pytest.mark.timeout(1500)  # compiling every common shape takes minutes on a busy machine
-def test_compiled_forward_serves_concurrent_sessions_like_the_eager_one(llama_target_dir: Path) -> None:
+def test_compiled_forward_serves_concurrent_sessions_like_the_eager_one(llama_draft_dir: Path) -> None:
     """`--compile on` (CPU: one set of graphs over symbolic shapes), compiling in the background
     as a service does: six sessions at once — greedy and seeded sampling rounds, a repetition
     penalty, two branches, and entropix's attention statistics — choose the tokens their solo
     runs on the eager engine choose, with logits and statistics equal to 1e-5 (compiled
     reductions are not bit-identical), both while the shapes are being compiled (each forward
-    eager or compiled as its shape is) and once they all are."""
-    compiled = engine(llama_target_dir, max_batch_rows=8, max_cache_len=96, compile="on", compile_in_background=True)
+    eager or compiled as its shape is) and once they all are. The one-layer draft: dynamo's
+    tracing, most of a compile's time, grows with the layers."""
+    compiled = engine(llama_draft_dir, max_batch_rows=8, max_cache_len=96, compile="on", compile_in_background=True)
     others_compiling: list[list[str]] = []  # when the compiled costs are timed
     remeasure = compiled._remeasure
 
@@ -383,7 +384,7 @@ def test_compiled_forward_serves_concurrent_sessions_like_the_eager_one(llama_ta
 
     compiled._remeasure = timed_once_the_compiler_is_gone  # type: ignore[method-assign]
     compiled.warmup()  # then it starts compiling, as a service does
-    eager = engine(llama_target_dir, max_batch_rows=8, max_cache_len=96, compile="off")
+    eager = engine(llama_draft_dir, max_batch_rows=8, max_cache_len=96, compile="off")
     assert compiled.scheduler is not None
     measured = Scoring(ScoreKind.LOGITS, extras=Extras(True, True, True))
 

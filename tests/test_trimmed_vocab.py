@@ -34,7 +34,14 @@ from specwire.processing import ProcessingConfig
 from tests.conftest import make_stack
 from tests.goodness_of_fit import chi_square_pvalue
 from tests.harness import LoopThread, Stack
-from tests.test_losslessness import ALPHA, E2E_SAMPLES, SAMPLES, TwoStepDistributions, _first_tokens, speculate_two_tokens
+from tests.test_losslessness import (
+    ALPHA,
+    E2E_SAMPLES,
+    SAMPLES,
+    TwoStepDistributions,
+    _first_tokens,
+    speculate_two_tokens,
+)
 
 pytest_plugins = ["tests.spec_fixtures"]
 

@@ -8,15 +8,9 @@ linear layers for int8/int4 kernels; `model` loads a model (directory, hub id, G
 """
 
 from specwire.engine.core import COST_POSITIONS, DECODE_TOKENS, Engine, EngineLimits, cache_size
-from specwire.engine.model import (
-    CausalLM,
-    eos_token_ids,
-    load_tokenizer,
-    resolve_device,
-    resolve_dtype,
-    tokenizer_fingerprint,
-)
+from specwire.engine.model import CausalLM, resolve_device, resolve_dtype
 from specwire.engine.session import MAX_BRANCHES, MAX_PROPOSE, DynamicKV, EngineSession, SessionKV, SlotKV
+from specwire.tokenizer import eos_token_ids, load_tokenizer, tokenizer_fingerprint
 
 __all__ = [
     "COST_POSITIONS",

@@ -21,10 +21,11 @@ from specwire.engine import quantize
 from specwire.engine.batch_costs import CURVE_POSITIONS
 from specwire.engine.cache import SLACK, SlotCache
 from specwire.engine.forward import LeanModel, lean_model
-from specwire.engine.model import CausalLM, tokenizer_fingerprint
+from specwire.engine.model import CausalLM
 from specwire.engine.scheduler import Scheduler
 from specwire.engine.session import DynamicKV, EngineSession, SessionKV, SlotKV
 from specwire.session import ModelInfo, OpenRequest, ScoreKind, Scoring, StepRequest
+from specwire.tokenizer import tokenizer_fingerprint
 
 log = logging.getLogger("specwire")
 

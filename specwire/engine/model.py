@@ -3,7 +3,6 @@ file), its tokenizer and the facts `Info` reports (vocabulary, eos ids, context)
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import json
 from dataclasses import dataclass
@@ -11,10 +10,11 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from specwire.engine import quantize, trimmed_vocab
 from specwire.medusa import CHOICES_NAME, MedusaHeads, build_tree, load_choices
+from specwire.tokenizer import eos_token_ids, load_tokenizer, split_gguf
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -34,42 +34,6 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
     if spec not in names:
         raise ValueError(f"--dtype must be one of auto, {', '.join(names)}; got {spec!r}")
     return names[spec]
-
-
-def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase | None) -> str:
-    """sha256 of the id → string mapping: equal fingerprints mean interchangeable token ids."""
-    if tokenizer is None:
-        return ""
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
-    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
-
-
-def split_gguf(source: str, gguf_file: str | None = None) -> tuple[str, str | None]:
-    """(directory or hub id, GGUF file name or None): `--model FILE.gguf`, or a directory with
-    `--gguf-file NAME`."""
-    if gguf_file is None and source.endswith(".gguf"):
-        path = Path(source)
-        return str(path.parent), path.name
-    return source, gguf_file
-
-
-def load_tokenizer(source: str) -> PreTrainedTokenizerBase | None:
-    """The tokenizer next to a model (or inside a GGUF file), or None when there is none."""
-    directory, gguf_file = split_gguf(source)
-    try:
-        if gguf_file is not None:
-            return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-        return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError):
-        return None
-
-
-def eos_token_ids(*candidates: int | list[int] | None) -> list[int]:
-    """The first eos setting given (an id or a list of ids, as configs hold it), as a list."""
-    for candidate in candidates:
-        if candidate is not None:
-            return [int(candidate)] if isinstance(candidate, int) else [int(c) for c in candidate]
-    return []
 
 
 def _max_context(config: Any) -> int:
