@@ -1042,9 +1042,7 @@ def default_models(target: str | None, draft: str | None) -> tuple[str, str]:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "bench", help="specwire vs transformers (target-only, assisted, prompt lookup), side by side"
-    )
+    parser: argparse.ArgumentParser = subparsers.add_parser("bench")
     parser.add_argument("--json", action="store_true", help="write the report as JSON (to --out, else stdout)")
     parser.add_argument("--out", help="write the report here (JSON with --json, else Markdown)")
     parser.add_argument(

@@ -177,9 +177,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "bounds", help="the engine's costs here, and the best ratio to greedy each strategy could reach"
-    )
+    parser: argparse.ArgumentParser = subparsers.add_parser("bounds")
     parser.add_argument("--target-model", default=str(demo_target_dir()))
     parser.add_argument("--draft-model", default=str(demo_draft_dir()))
     parser.add_argument("--medusa", default=str(demo_medusa_dir()), help="heads directory ('' to skip)")

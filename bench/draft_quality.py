@@ -72,7 +72,7 @@ def measure(target: str, draft: str, modes: list[str], windows: int, window: int
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser("draft-quality", help="a draft against its target: α, greedy agreement, KL (exact)")
+    parser = commands.add_parser("draft-quality")
     parser.add_argument("--target", required=True, help="target model directory")
     parser.add_argument("--draft", required=True, help="draft model directory (a trimmed-vocabulary one too)")
     parser.add_argument("--quantize", default="none", help="comma-separated target modes: none, int8, int4, w4a8")

@@ -410,9 +410,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "experiment", help="speculative decoding across emulated RTTs and γ: CSV + plots"
-    )
+    parser: argparse.ArgumentParser = subparsers.add_parser("experiment")
     parser.add_argument("--rtt-ms", default="0,2,10,50", help="comma-separated round-trip times to each service")
     parser.add_argument("--gamma", default="1,2,4,8", help="comma-separated γ values")
     parser.add_argument("--strategies", default="speculative,greedy,auto", help="comma-separated: speculative (fixed γ, sequential), greedy, auto (the defaults)")

@@ -117,7 +117,7 @@ def measure(model: str, modes: list[str], windows: int, window: int, new_tokens:
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser("quality", help="quantised weights against the float model: perplexity, agreement")
+    parser = commands.add_parser("quality")
     parser.add_argument("--model", required=True, help="model directory (or FILE.gguf)")
     parser.add_argument("--quantize", default="int8,int4", help="comma-separated modes to compare with float")
     parser.add_argument("--windows", type=int, default=16, help="held-out windows scored")

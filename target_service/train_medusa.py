@@ -240,7 +240,7 @@ def save_with_report(
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser("train-medusa", help="train Medusa heads on a frozen base model")
+    parser = commands.add_parser("train-medusa")
     parser.add_argument("--model", default=str(demo_target_dir()), help="base model directory (default: demo target)")
     parser.add_argument("--out", required=True, help="directory for the heads (safetensors + medusa_config.json)")
     parser.add_argument("--data", nargs="*", help="text files (default: the stdlib source, as the demo pair)")
