@@ -172,8 +172,8 @@ def _telemetry_config(args: argparse.Namespace) -> Any:
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """Every command's parser; given the command being run, other modules' commands are left
-    bare (their flags unparsed, their modules not imported)."""
+    """Every command's parser (None); given the command being run ("" for none), the other
+    modules' commands are names with their help line, their modules not imported."""
     parser = argparse.ArgumentParser(prog="specwire", description="LLM decoding as a gRPC draft/target service pair.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     parser.add_argument("--version", action="version", version=f"specwire {__version__}")
