@@ -371,7 +371,9 @@ class SlotKV:
         finally:
             self._leave()
         known = self.known[:, :start]
-        if job.tree_mask is None and job.positions is None and known.shape == (tokens.shape[0], start):
+        # Recorded only for a cache that keeps keys: elsewhere a forward's tokens need no copy.
+        recorded = self.cache.prefix_cache and job.tree_mask is None and job.positions is None
+        if recorded and known.shape == (tokens.shape[0], start):
             known = torch.cat([known, tokens.cpu()], dim=1)
         with self._lock:  # a `close` from another thread sees both or neither
             self.batch_rows = max(self.batch_rows, job.batch_rows)
