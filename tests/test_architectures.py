@@ -168,15 +168,12 @@ def test_w4a8_equals_its_formula_for_every_row_alone_and_compiled() -> None:
         layer = W4A8Linear(linear)
         x = torch.randn(7, in_features) * torch.logspace(-2, 2, 7)[:, None]
         y = layer(x)
-        rows = layer.packed.shape[0]
-        half = 16 if layer.group == 32 else 32  # a byte holds inputs j and j + half
-        low, high = (layer.packed & 15).view(rows, -1, half), (layer.packed >> 4).view(rows, -1, half)
-        unsigned = torch.cat([low, high], dim=-1).reshape(rows, -1).double()
-        weight = ((unsigned - 8).view(rows, -1, layer.group) * layer.scales.double()[..., None]).view(rows, -1)
+        unsigned, scales = layer.levels()
+        weight = ((unsigned.double() - 8).view(out_features, -1, layer.group) * scales.double()[..., None]).view(out_features, -1)
         amax = x.double().abs().amax(dim=1, keepdim=True)
         expected = torch.round(x.double() / amax * 127) * amax / 127 @ weight.T + linear.bias.double()
         assert (y.double() - expected).abs().max() < 1e-5 * expected.abs().max()
-        assert (weight - linear.weight.double()).abs().max() <= layer.scales.abs().max() + 1e-6  # w rounded, or clamped at 7
+        assert (weight - linear.weight.double()).abs().max() <= scales.abs().max() + 1e-6  # w rounded, or clamped at 7
         assert torch.equal(torch.cat([layer(row[None]) for row in x]), y)
         assert torch.equal(torch.compile(layer, fullgraph=True)(x), y)
 

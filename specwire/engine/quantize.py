@@ -36,6 +36,7 @@ log = logging.getLogger("specwire")
 ACTIVATION_QUANTISED = ("int8", "int4", "w4a8")
 INT4_GROUP = 32
 W4A8_GROUP = 128  # at most 128: the kernel sums a group in int16
+W4A8_TILE = 16  # output channels a tile in w4a8.cpp's layout
 
 
 # `auto` on a CPU with AVX2 but not AVX-512: w4a8 from AUTO_MIN_BYTES. There oneDNN's int8 GEMM
@@ -195,14 +196,19 @@ class W4A8Linear(nn.Module):
         extreme = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)  # [out, groups]
         scales = extreme / -8
         scales = torch.where(scales.abs() < 1e-12, torch.full_like(scales, 1e-12), scales)
-        unsigned = (torch.round(groups / scales[..., None]).clamp(-8, 7) + 8).to(torch.uint8)
-        # w4a8.cpp's layout: a byte holds inputs j and j + half of a block of 2·half.
-        half = 16 if self.group == 32 else 32
-        blocks = unsigned.view(out_features, in_features // (2 * half), 2 * half)
+        unsigned = (torch.round(groups / scales[..., None]).clamp(-8, 7) + 8).to(torch.uint8).view(out_features, in_features)
+        # w4a8.cpp's layout: tiles of 16 channels (the last padded with zero weights); a block of
+        # 8 inputs holds two vectors of 8 channels, byte 4c + i of one holding inputs i (low) and 4 + i.
+        tiles = -(-out_features // W4A8_TILE)
+        pad = tiles * W4A8_TILE - out_features
+        unsigned = torch.cat([unsigned, torch.full((pad, in_features), 8, dtype=torch.uint8)])
+        scales = torch.cat([scales, torch.zeros(pad, scales.shape[1])])
+        # [tile, vector, channel, block, nibble, i] → [tile, block, vector, channel, i, nibble]
+        blocks = unsigned.view(tiles, 2, 8, in_features // 8, 2, 4).permute(0, 3, 1, 2, 5, 4)
         self.packed: torch.Tensor
         self.scales: torch.Tensor
-        self.register_buffer("packed", (blocks[..., :half] | (blocks[..., half:] << 4)).reshape(out_features, -1).contiguous())
-        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("packed", (blocks[..., 0] | (blocks[..., 1] << 4)).reshape(tiles, -1).contiguous())
+        self.register_buffer("scales", scales.view(tiles, W4A8_TILE, -1).transpose(1, 2).contiguous())
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -210,10 +216,20 @@ class W4A8Linear(nn.Module):
         amax = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
         q = torch.round(flat / amax * 127).to(torch.int8)
         qsum8 = q.view(q.shape[0], -1, self.group).sum(dim=-1, dtype=torch.int32) * 8
-        out = torch.ops.specwire.w4a8_linear(q, qsum8, (amax / 127).view(-1), self.packed, self.scales, self.group)
+        out = torch.ops.specwire.w4a8_linear(q, qsum8, (amax / 127).view(-1), self.packed, self.scales, self.group,
+                                             self.out_features)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def levels(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(u [out, in], 0..15; s [out, groups]) read back from the kernel's layout: w = (u − 8)·s."""
+        tiles = self.packed.shape[0]
+        blocks = self.packed.view(tiles, self.in_features // 8, 2, 8, 4)
+        both = torch.stack([blocks & 15, blocks >> 4], dim=-1)  # tile, block, vector, channel, i, nibble
+        unsigned = both.permute(0, 2, 3, 1, 5, 4).reshape(tiles * W4A8_TILE, self.in_features)
+        scales = self.scales.transpose(1, 2).reshape(tiles * W4A8_TILE, -1)
+        return unsigned[: self.out_features], scales[: self.out_features]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, w4a8 groups of {self.group}"
@@ -239,13 +255,13 @@ def w4a8_kernel() -> Any:
 
     @torch.library.custom_op("specwire::w4a8_linear", mutates_args=())
     def w4a8_linear(q: torch.Tensor, qsum8: torch.Tensor, row_scale: torch.Tensor, packed: torch.Tensor,
-                    scales: torch.Tensor, group: int) -> torch.Tensor:
-        return cast(torch.Tensor, module.w4a8_linear(q, qsum8, row_scale, packed, scales, group))
+                    scales: torch.Tensor, group: int, out_features: int) -> torch.Tensor:
+        return cast(torch.Tensor, module.w4a8_linear(q, qsum8, row_scale, packed, scales, group, out_features))
 
     @w4a8_linear.register_fake
     def _(q: torch.Tensor, qsum8: torch.Tensor, row_scale: torch.Tensor, packed: torch.Tensor,
-          scales: torch.Tensor, group: int) -> torch.Tensor:
-        return q.new_empty((q.shape[0], packed.shape[0]), dtype=torch.float32)
+          scales: torch.Tensor, group: int, out_features: int) -> torch.Tensor:
+        return q.new_empty((q.shape[0], out_features), dtype=torch.float32)
 
     _W4A8 = module
     return module
