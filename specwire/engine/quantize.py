@@ -196,18 +196,22 @@ class W4A8Linear(nn.Module):
         extreme = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)  # [out, groups]
         scales = extreme / -8
         scales = torch.where(scales.abs() < 1e-12, torch.full_like(scales, 1e-12), scales)
-        unsigned = (torch.round(groups / scales[..., None]).clamp(-8, 7) + 8).to(torch.uint8).view(out_features, in_features)
+        # In place: each step of the rounding would otherwise allocate a float copy of the weights.
+        levels = (groups / scales[..., None]).round_().clamp_(-8, 7).add_(8)
+        unsigned = levels.to(torch.uint8).view(out_features, in_features)
         # w4a8.cpp's layout: tiles of 16 channels (the last padded with zero weights); a block of
         # 8 inputs holds two vectors of 8 channels, byte 4c + i of one holding inputs i (low) and 4 + i.
         tiles = -(-out_features // W4A8_TILE)
         pad = tiles * W4A8_TILE - out_features
-        unsigned = torch.cat([unsigned, torch.full((pad, in_features), 8, dtype=torch.uint8)])
-        scales = torch.cat([scales, torch.zeros(pad, scales.shape[1])])
-        # [tile, vector, channel, block, nibble, i] → [tile, block, vector, channel, i, nibble]
-        blocks = unsigned.view(tiles, 2, 8, in_features // 8, 2, 4).permute(0, 3, 1, 2, 5, 4)
+        if pad:
+            unsigned = torch.cat([unsigned, torch.full((pad, in_features), 8, dtype=torch.uint8)])
+            scales = torch.cat([scales, torch.zeros(pad, scales.shape[1])])
+        # Inputs i = 0..3 of a channel are one int32 word; a level (≤ 15) shifted by 4 stays in its byte.
+        words = unsigned.view(torch.int32).view(tiles, 2, 8, in_features // 8, 2)  # tile, vector, channel, block, nibble
+        joined = words[..., 0] | (words[..., 1] << 4)
         self.packed: torch.Tensor
         self.scales: torch.Tensor
-        self.register_buffer("packed", (blocks[..., 0] | (blocks[..., 1] << 4)).reshape(tiles, -1).contiguous())
+        self.register_buffer("packed", joined.permute(0, 3, 1, 2).contiguous().view(torch.uint8).reshape(tiles, -1))
         self.register_buffer("scales", scales.view(tiles, W4A8_TILE, -1).transpose(1, 2).contiguous())
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
