@@ -4,7 +4,7 @@ and the ratios to greedy that no network, orchestrator or scheduling work could 
     specwire bounds [--target-model DIR] [--draft-model DIR] [--medusa DIR] [--threads N] [--quantize M] [--json]
 
 Measured, median, the engine as the services run it (`--compile auto`):
-- one session's cached forward at 1 … 65 new positions, all scored (`Engine.measure_costs`:
+- one session's cached forward at 1 … 65 new positions (`--positions`), all scored (`Engine.measure_costs`:
   the curve a service reports in `Info.forward_costs`), and a token of a 16-token greedy round
   (t_g: what `specwire_greedy` pays a token, before any message);
 - one decode step of 1 and of 8 sessions together (`Scheduler.time_decode_step`);
@@ -134,7 +134,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         engines[role] = Engine(_load(role, args), role, limits)
         engines[role].warmup()
     target, draft = engines["target"], engines["draft"]
-    verify, greedy_ms = target.measure_costs(repeats=args.repeats, positions=POSITIONS, decode_tokens=GREEDY_ROUND)
+    verify, greedy_ms = target.measure_costs(repeats=args.repeats, positions=args.positions, decode_tokens=GREEDY_ROUND)
     _, draft_ms = draft.measure_costs(repeats=args.repeats, positions=(1,), decode_tokens=GREEDY_ROUND)
     assert target.scheduler is not None
     steps = {rows: target.scheduler.time_decode_step(rows, start=96) for rows in streams}
@@ -176,6 +176,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def positions_list(text: str) -> tuple[int, ...]:
+    """`--positions`: ascending, with 1 (the decode step every ratio divides by)."""
+    values = {int(n) for n in text.split(",")}
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--positions must be ≥ 1, got {text}")
+    return tuple(sorted(values | {1}))
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser("bounds")
     parser.add_argument("--target-model", default=str(demo_target_dir()))
@@ -189,6 +197,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"), help="the engines' --compile")
     parser.add_argument("--streams", type=lambda text: [int(n) for n in text.split(",")], default=[STREAMS],
                         help="decode steps of this many rows are timed, comma-separated (1 always)")
+    # On CUDA each width is a graph of its own to capture: fewer widths, a shorter start.
+    parser.add_argument("--positions", type=positions_list, default=POSITIONS,
+                        help="the target's forward is timed at these new positions, comma-separated (1 always)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a service's share of the cores)")
     parser.add_argument("--quantize", default="auto", help="both models' --quantize (none, int8, int4, w4a8, auto)")
     parser.add_argument("--repeats", type=int, default=31)
