@@ -22,7 +22,7 @@ from specwire.orchestrator.models import LocalModel
 
 from specwire.engine import CausalLM, Engine, EngineLimits
 from specwire.engine.forward import HFForward
-from specwire.engine.quantize import Int4Linear, Int8Linear, W4A8Linear
+from specwire.engine.quantize import Int4Linear, Int8Linear, W4A8Linear, w4a8_kernel
 from specwire.session import OpenRequest, ScoreKind, Scoring
 from tests.conftest import gemma_dir, hf_model
 from tests.tiny import save_gemma3, save_gpt2, save_llama, save_mistral, save_qwen2, save_qwen3
@@ -156,26 +156,38 @@ def test_auto_quantisation_picks_by_the_linear_weights_bytes() -> None:
     assert quantize.resolve("auto", torch.device("cuda"), model(300)) == "none"
 
 
-def test_w4a8_equals_its_formula_for_every_row_alone_and_compiled() -> None:
+@pytest.mark.parametrize("isa", ["avx2", "avx512vnni"])
+def test_w4a8_equals_its_formula_for_every_row_alone_and_compiled(isa: str) -> None:
     """The kernel against the same sum in float64 from its packed weights and scales:
     y = (a/127) Σ_g s_g Σ_k (u − 8)·round(127 x/a), a = max |x| per row; a row alone, in a batch
-    and through torch.compile gives the same bits."""
+    (17 rows: passes of 8 and 4 and what is left) and through torch.compile gives the same bits,
+    and the VNNI path the AVX2 path's bits."""
     from torch import nn
 
-    torch.manual_seed(0)
-    for in_features, out_features in ((640, 1000), (192, 20), (96, 40), (256, 33)):  # groups of 128, 64, 32
-        linear = nn.Linear(in_features, out_features)
-        layer = W4A8Linear(linear)
-        x = torch.randn(7, in_features) * torch.logspace(-2, 2, 7)[:, None]
-        y = layer(x)
-        unsigned, scales = layer.levels()
-        weight = ((unsigned.double() - 8).view(out_features, -1, layer.group) * scales.double()[..., None]).view(out_features, -1)
-        amax = x.double().abs().amax(dim=1, keepdim=True)
-        expected = torch.round(x.double() / amax * 127) * amax / 127 @ weight.T + linear.bias.double()
-        assert (y.double() - expected).abs().max() < 1e-5 * expected.abs().max()
-        assert (weight - linear.weight.double()).abs().max() <= scales.abs().max() + 1e-6  # w rounded, or clamped at 7
-        assert torch.equal(torch.cat([layer(row[None]) for row in x]), y)
-        assert torch.equal(torch.compile(layer, fullgraph=True)(x), y)
+    kernel = w4a8_kernel()
+    try:
+        if kernel.use_vnni(isa == "avx512vnni") != isa:
+            pytest.skip(f"this CPU has no {isa}")
+        torch.manual_seed(0)
+        for in_features, out_features in ((640, 1000), (192, 20), (96, 40), (256, 33)):  # groups of 128, 64, 32
+            linear = nn.Linear(in_features, out_features)
+            layer = W4A8Linear(linear)
+            x = torch.randn(17, in_features) * torch.logspace(-2, 2, 17)[:, None]
+            y = layer(x)
+            unsigned, scales = layer.levels()
+            weight = ((unsigned.double() - 8).view(out_features, -1, layer.group) * scales.double()[..., None]).view(out_features, -1)
+            amax = x.double().abs().amax(dim=1, keepdim=True)
+            expected = torch.round(x.double() / amax * 127) * amax / 127 @ weight.T + linear.bias.double()
+            assert (y.double() - expected).abs().max() < 1e-5 * expected.abs().max()
+            assert (weight - linear.weight.double()).abs().max() <= scales.abs().max() + 1e-6  # w rounded, or clamped at 7
+            assert torch.equal(torch.cat([layer(row[None]) for row in x]), y)
+            assert torch.equal(torch.compile(layer, fullgraph=True)(x), y)
+            if isa == "avx512vnni":
+                kernel.use_vnni(False)
+                assert torch.equal(layer(x), y)
+                kernel.use_vnni(True)
+    finally:
+        kernel.use_vnni(True)
 
 
 def test_an_unknown_quantisation_is_refused_naming_the_flag(arch_dir: Path) -> None:

@@ -8,9 +8,9 @@ the embedding, which stays as it is) for one of:
   zero point, w = (q − 8)·s + z; activations in bfloat16 (`torch._weight_int4pack_mm_for_cpu`,
   whose float32 path is ~20× slower here).
 - `w4a8`: 4-bit weights in groups of W4A8_GROUP inputs (or 64 or 32 where the input size asks),
-  one scale a group, times activations quantised per row to int8, through the project's AVX2
-  kernel (`w4a8.cpp`, built on first use): the int8 dot products of llama.cpp's Q4 × Q8 formats,
-  for CPUs without AVX-512 VNNI, where oneDNN's int8 GEMM is slow.
+  one scale a group, times activations quantised per row to int8, through the project's kernel
+  (`w4a8.cpp`, built on first use; AVX2, and AVX-512 VNNI where the CPU has it, with the same
+  bits): the int8 dot products of llama.cpp's Q4 × Q8 formats.
 `auto` picks what measured fastest for the device and the model's size (docs/engine.md,
 "Quantised weights"): on CPU none, then w4a8 without AVX-512, or int4 or int8 as the weights
 grow with it; none (bfloat16) on CUDA.

@@ -1,4 +1,5 @@
-// 4-bit weights × 8-bit activations for x86 with AVX2 (docs/engine.md, "Quantised weights").
+// 4-bit weights × 8-bit activations for x86 with AVX2, and AVX-512 VNNI where the CPU has it
+// (docs/engine.md, "Quantised weights").
 //
 // y[r, n] = (a_r / 127) · Σ_g s[n, g] · Σ_{k ∈ g} (u[n, k] − 8) · q[r, k]
 //   u: unsigned 4-bit weights (0..15), groups of G inputs sharing the scale s[n, g];
@@ -18,6 +19,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 
 namespace {
 
@@ -25,13 +27,10 @@ constexpr int kVectors = 2;            // 8-channel vectors a tile
 constexpr int kTile = 8 * kVectors;    // output channels a tile
 constexpr int64_t kBlockBytes = 65536; // weights a block of tiles: they stay in L2 while each pass of rows reads them
 
-inline __m256i broadcast4(const int8_t* x) {
-  int32_t v;
-  std::memcpy(&v, x, 4);
-  return _mm256_set1_epi32(v);
-}
-
-// R rows against tiles [t0, t1).
+// R rows against tiles [t0, t1). Within each 8 inputs the two vectors go one after the other, so
+// the live registers are 2·R int16 sums, one vector's two nibble halves and two broadcasts: no sum
+// is spilled to the stack, where each step would wait on its store (the intrinsics' version kept
+// 5 of 8 there: the compiler shared the broadcasts between the vectors).
 template <int R>
 void tiles(const int8_t* q, const int32_t* qsum8, const float* row_scale, const uint8_t* packed, const float* scales,
            float* y, int64_t K, int64_t N, int64_t G, int64_t t0, int64_t t1) {
@@ -57,17 +56,20 @@ void tiles(const int8_t* q, const int32_t* qsum8, const float* row_scale, const 
           for (int c = 0; c < C; ++c) sums[r][c] = _mm256_setzero_si256();
 #pragma GCC unroll 1
         for (int64_t j = k; j < k + 32; j += 8) {
-          __m256i low[C], high[C];
           for (int c = 0; c < C; ++c) {
             const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + j * 4 * C + 32 * c));
-            low[c] = _mm256_and_si256(bytes, mask);
-            high[c] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
-          }
-          for (int r = 0; r < R; ++r) {
-            const __m256i first = broadcast4(q + r * K + j), second = broadcast4(q + r * K + j + 4);
-            for (int c = 0; c < C; ++c) {
-              sums[r][c] = _mm256_add_epi16(sums[r][c], _mm256_maddubs_epi16(low[c], first));
-              sums[r][c] = _mm256_add_epi16(sums[r][c], _mm256_maddubs_epi16(high[c], second));
+            const __m256i low = _mm256_and_si256(bytes, mask);
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+            for (int r = 0; r < R; ++r) {
+              __m256i first, second;
+              asm("vpbroadcastd (%[q],%[j]), %[first]\n\t"
+                  "vpbroadcastd 4(%[q],%[j]), %[second]\n\t"
+                  "vpmaddubsw %[first], %[low], %[first]\n\t"
+                  "vpmaddubsw %[second], %[high], %[second]\n\t"
+                  "vpaddw %[first], %[sum], %[sum]\n\t"
+                  "vpaddw %[second], %[sum], %[sum]"
+                  : [sum] "+x"(sums[r][c]), [first] "=&x"(first), [second] "=&x"(second)
+                  : [low] "x"(low), [high] "x"(high), [q] "r"(q + r * K), [j] "r"(j));
             }
           }
         }
@@ -96,6 +98,51 @@ void tiles(const int8_t* q, const int32_t* qsum8, const float* row_scale, const 
   }
 }
 
+// The same tiles with AVX-512 VNNI, where the CPU has it: a tile's 16 channels are one 512-bit
+// vector (the two 8-channel vectors' bytes lie side by side), and vpdpbusd adds four u·q products
+// into each int32 lane at once, with no int16 stage. Each group's int32 sum is exact either way and
+// the float steps are the same, so both paths give the same bits.
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void tiles_vnni(const int8_t* q, const int32_t* qsum8, const float* row_scale, const uint8_t* packed, const float* scales,
+                float* y, int64_t K, int64_t N, int64_t G, int64_t t0, int64_t t1) {
+  const int64_t groups = K / G;
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* wt = packed + t * kTile * (K / 2);
+    const float* st = scales + t * groups * kTile;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_set1_epi32(-qsum8[r * groups + g]);
+      for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
+        const __m512i bytes = _mm512_loadu_si512(wt + j * 4 * kVectors);
+        const __m512i low = _mm512_and_si512(bytes, mask);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), mask);
+        for (int r = 0; r < R; ++r) {
+          int32_t first, second;
+          std::memcpy(&first, q + r * K + j, 4);
+          std::memcpy(&second, q + r * K + j + 4, 4);
+          dot[r] = _mm512_dpbusd_epi32(dot[r], low, _mm512_set1_epi32(first));
+          dot[r] = _mm512_dpbusd_epi32(dot[r], high, _mm512_set1_epi32(second));
+        }
+      }
+      const __m512 s = _mm512_loadu_ps(st + g * kTile);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), s, acc[r]);
+    }
+    const int64_t n = t * kTile, valid = std::min<int64_t>(kTile, N - n);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(y + r * N + n, lanes, _mm512_mul_ps(acc[r], _mm512_set1_ps(row_scale[r])));
+  }
+}
+
+// Which path runs: VNNI where the CPU (and the OS) offer it, unless turned off (`use_vnni`).
+bool g_vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+              __builtin_cpu_supports("avx512vnni");
+const bool kHasVnni = g_vnni;
+
 torch::Tensor w4a8_linear(const torch::Tensor& q, const torch::Tensor& qsum8, const torch::Tensor& row_scale,
                           const torch::Tensor& packed, const torch::Tensor& scales, int64_t group, int64_t out_features) {
   TORCH_CHECK(q.dtype() == torch::kInt8 && q.is_contiguous() && q.dim() == 2, "q: contiguous int8 [rows, in]");
@@ -120,6 +167,24 @@ torch::Tensor w4a8_linear(const torch::Tensor& q, const torch::Tensor& qsum8, co
     for (int64_t t0 = begin; t0 < end; t0 += block) {
       const int64_t t1 = std::min(end, t0 + block);
       int64_t m = 0;
+      if (g_vnni) {
+        // Passes of 8 rows (16 sums and accumulators of 32 registers), then one of the rest.
+        for (; m + 8 <= M; m += 8) tiles_vnni<8>(qp + m * K, qs + m * groups, rs + m, wp, sp, yp + m * N, K, N, group, t0, t1);
+        const int8_t* qm = qp + m * K;
+        const int32_t* qsm = qs + m * groups;
+        float* ym = yp + m * N;
+        switch (M - m) {
+          case 7: tiles_vnni<7>(qm, qsm, rs + m, wp, sp, ym, K, N, group, t0, t1); break;
+          case 6: tiles_vnni<6>(qm, qsm, rs + m, wp, sp, ym, K, N, group, t0, t1); break;
+          case 5: tiles_vnni<5>(qm, qsm, rs + m, wp, sp, ym, K, N, group, t0, t1); break;
+          case 4: tiles_vnni<4>(qm, qsm, rs + m, wp, sp, ym, K, N, group, t0, t1); break;
+          case 3: tiles_vnni<3>(qm, qsm, rs + m, wp, sp, ym, K, N, group, t0, t1); break;
+          case 2: tiles_vnni<2>(qm, qsm, rs + m, wp, sp, ym, K, N, group, t0, t1); break;
+          case 1: tiles_vnni<1>(qm, qsm, rs + m, wp, sp, ym, K, N, group, t0, t1); break;
+          default: break;
+        }
+        continue;
+      }
       for (; m + 4 <= M; m += 4) tiles<4>(qp + m * K, qs + m * groups, rs + m, wp, sp, yp + m * N, K, N, group, t0, t1);
       for (; m + 2 <= M; m += 2) tiles<2>(qp + m * K, qs + m * groups, rs + m, wp, sp, yp + m * N, K, N, group, t0, t1);
       for (; m < M; ++m) tiles<1>(qp + m * K, qs + m * groups, rs + m, wp, sp, yp + m * N, K, N, group, t0, t1);
@@ -130,4 +195,17 @@ torch::Tensor w4a8_linear(const torch::Tensor& q, const torch::Tensor& qsum8, co
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("w4a8_linear", &w4a8_linear); }
+// The instruction set the kernel runs: "avx512vnni" or "avx2".
+std::string isa() { return g_vnni ? "avx512vnni" : "avx2"; }
+
+// Turns the VNNI path off (or back on, where the CPU has it); returns the instruction set now used.
+std::string use_vnni(bool on) {
+  g_vnni = on && kHasVnni;
+  return isa();
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("w4a8_linear", &w4a8_linear);
+  m.def("isa", &isa);
+  m.def("use_vnni", &use_vnni);
+}
