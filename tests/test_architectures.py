@@ -133,9 +133,9 @@ def test_auto_quantisation_leaves_a_model_that_fits_in_cache_in_float(arch_dir: 
 
 
 def test_auto_quantisation_picks_by_the_linear_weights_bytes() -> None:
-    """none in cache; with AVX-512 int4 for mid-sized models (int8 where a width is not in
-    groups of 32) and int8 for large ones; with AVX2 only, w4a8; none on CUDA. Sizes only: the
-    weights live on the meta device."""
+    """none in cache; with AVX-512 but no VNNI int4 for mid-sized models (int8 where a width is
+    not in groups of 32) and int8 for large ones; with AVX2 only or AVX-512 VNNI, w4a8; none on
+    CUDA. Sizes only: the weights live on the meta device."""
     from torch import nn
 
     from specwire.engine import quantize
@@ -144,15 +144,20 @@ def test_auto_quantisation_picks_by_the_linear_weights_bytes() -> None:
         return nn.Sequential(nn.Linear(in_features, int(mib * 2**20 / 4 / in_features), bias=False, device="meta"))
 
     cpu = torch.device("cpu")
-    assert quantize.resolve("auto", cpu, model(31), "AVX512") == "none"
-    assert quantize.resolve("auto", cpu, model(48), "AVX512") == "int4"
-    assert quantize.resolve("auto", cpu, model(48, in_features=688), "AVX512") == "int8"
-    assert quantize.resolve("auto", cpu, model(300), "AVX512") == "int8"
+    assert quantize.resolve("auto", cpu, model(31), "AVX512", vnni=False) == "none"
+    assert quantize.resolve("auto", cpu, model(48), "AVX512", vnni=False) == "int4"
+    assert quantize.resolve("auto", cpu, model(48, in_features=688), "AVX512", vnni=False) == "int8"
+    assert quantize.resolve("auto", cpu, model(300), "AVX512", vnni=False) == "int8"
+    # With VNNI the w4a8 kernel uses it, and reads half of int8's bytes.
+    assert quantize.resolve("auto", cpu, model(31), "AVX512", vnni=True) == "none"
+    assert quantize.resolve("auto", cpu, model(48), "AVX512", vnni=True) == "w4a8"
+    assert quantize.resolve("auto", cpu, model(300), "AVX512", vnni=True) == "w4a8"
+    assert quantize.resolve("auto", cpu, model(48, in_features=688), "AVX512", vnni=True) == "int8"
     # Without AVX-512 (so without VNNI) oneDNN's int8 is slow: the AVX2 w4a8 kernel.
-    assert quantize.resolve("auto", cpu, model(31), "AVX2") == "none"
-    assert quantize.resolve("auto", cpu, model(48), "AVX2") == "w4a8"
-    assert quantize.resolve("auto", cpu, model(300), "AVX2") == "w4a8"
-    assert quantize.resolve("auto", cpu, model(48, in_features=688), "AVX2") == "int8"
+    assert quantize.resolve("auto", cpu, model(31), "AVX2", vnni=False) == "none"
+    assert quantize.resolve("auto", cpu, model(48), "AVX2", vnni=False) == "w4a8"
+    assert quantize.resolve("auto", cpu, model(300), "AVX2", vnni=False) == "w4a8"
+    assert quantize.resolve("auto", cpu, model(48, in_features=688), "AVX2", vnni=False) == "int8"
     assert quantize.resolve("auto", torch.device("cuda"), model(300)) == "none"
 
 

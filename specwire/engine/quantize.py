@@ -39,11 +39,16 @@ W4A8_GROUP = 128  # at most 128: the kernel sums a group in int16
 W4A8_TILE = 16  # output channels a tile in w4a8.cpp's layout
 
 
-# `auto` on a CPU with AVX2 but not AVX-512: w4a8 from AUTO_MIN_BYTES. There oneDNN's int8 GEMM
-# has no VNNI and is slow: Gemma-3-270M's LM head at 1 / 8 rows, 61.9 / 122 ms int8, 15.4 / 58.4
-# int4, 7.9 / 25.9 w4a8 (AMD EPYC without AVX-512, 2 threads). Elsewhere `auto` on CPU goes by
-# the bytes of float linear weights (docs/engine.md, "Quantised weights"; AMD EPYC with
-# AVX-512, 2 cores, a decode step at 1 / 4 / 8 rows). Below AUTO_MIN_BYTES none: the weights sit in
+# `auto` on CPU: w4a8 from AUTO_MIN_BYTES where its kernel builds and the CPU has AVX2 but not
+# AVX-512, or AVX-512 VNNI. Without AVX-512 oneDNN's int8 GEMM has no VNNI and is slow:
+# Gemma-3-270M's LM head at 1 / 8 rows, 61.9 / 122 ms int8, 15.4 / 58.4 int4, 7.9 / 25.9 w4a8
+# (AMD EPYC without AVX-512, 2 threads). With VNNI both use it, and w4a8 reads half the bytes:
+# the LM head 4.97 / 6.50 ms int8, 2.39 / 2.65 w4a8; Gemma-3-270M's compiled forward at 1 / 8 / 16
+# positions 14.2 / 17.1 / 21.7 ms int8, 9.7 / 16.2 / 28.6 w4a8; the 48 MiB Gemma draft's decode
+# step at 1 / 4 / 8 rows 2.04 / 2.38 / 2.93 ms int8, 1.32 / 1.87 / 2.78 int4, 1.42 / 1.70 / 1.96
+# w4a8 (AMD EPYC with AVX-512 VNNI, 2 threads, the draft one). Elsewhere (AVX-512 without VNNI)
+# `auto` goes by the bytes of float linear weights (docs/engine.md, "Quantised weights"; measured
+# with AVX-512, 2 cores, a decode step at 1 / 4 / 8 rows). Below AUTO_MIN_BYTES none: the weights sit in
 # the caches and a step is bound by arithmetic (the 16 MiB demo target: 3.10 / 4.50 / 5.39 ms
 # float32, 3.26 / 3.92 / 4.64 int8). Then int4 (the 48 MiB Gemma-3 draft: 6.84 / 10.72 / 14.03
 # float32, 4.12 / 5.48 / 7.46 int8, 2.55 / 3.84 / 6.74 int4); from AUTO_INT8_BYTES int8, whose
@@ -57,10 +62,11 @@ def linear_bytes(model: nn.Module) -> int:
     return sum(linear.weight.numel() * linear.weight.element_size() for _, _, linear in _linears(model))
 
 
-def resolve(mode: str, device: torch.device, model: nn.Module | None = None, capability: str | None = None) -> str:
+def resolve(mode: str, device: torch.device, model: nn.Module | None = None, capability: str | None = None,
+            vnni: bool | None = None) -> str:
     """`auto` → the fastest measured mode for `device`, its CPU's vector instructions
-    (`capability`, torch's name: AVX2, AVX512, ...) and the model's size; others are checked
-    against the device."""
+    (`capability`, torch's name: AVX2, AVX512, ...; `vnni`: the w4a8 kernel runs AVX-512 VNNI,
+    by default as it finds the CPU) and the model's size; others are checked against the device."""
     if mode not in MODES:
         raise ValueError(f"--quantize must be one of {', '.join(MODES)}; got {mode!r}")
     if mode == "auto":
@@ -69,8 +75,10 @@ def resolve(mode: str, device: torch.device, model: nn.Module | None = None, cap
             return "none"
         grouped = all(linear.in_features % INT4_GROUP == 0 for _, _, linear in _linears(cast(nn.Module, model)))
         capability = capability or torch.backends.cpu.get_cpu_capability()
-        if grouped and capability == "AVX2" and w4a8_builds():
-            return "w4a8"
+        if grouped and w4a8_builds():
+            vnni = w4a8_kernel().isa() == "avx512vnni" if vnni is None else vnni
+            if capability == "AVX2" or vnni:
+                return "w4a8"
         onednn = torch.backends.mkldnn.is_available()
         return "int4" if grouped and (size < AUTO_INT8_BYTES or not onednn) else "int8" if onednn else "none"
     if mode != "none" and device.type != "cpu":
