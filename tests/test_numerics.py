@@ -242,3 +242,23 @@ def test_huge_cd_beta_is_finite(decoder: Decoder, kwargs: dict[str, Any]) -> Non
     result = run(decoder, strategy="contrastive", cd_beta=1e38, **kwargs)
     assert len(result.token_ids) >= 1
     assert all(math.isfinite(s.score) for s in result.sequences)
+
+
+def test_argmax_rows_equals_torch_argmax_with_ties_infinities_and_nan() -> None:
+    """The chunked argmax against torch's on Gemma's vocabulary width: the first index of the
+    maximum where it repeats within a chunk and across chunks, rows of −inf, a NaN, float16,
+    and the widths it leaves to torch."""
+    from specwire.engine.session import ARGMAX_CHUNK, argmax_rows
+
+    torch.manual_seed(0)
+    vocab = 64 * ARGMAX_CHUNK
+    scores = torch.randn(9, vocab)
+    scores[1, [7, 9000, 200_000]] = 50.0  # ties across chunks
+    scores[2, [ARGMAX_CHUNK + 5, ARGMAX_CHUNK + 3]] = 50.0  # ties within a chunk
+    scores[3] = float("-inf")
+    scores[4, 123_456] = float("nan")
+    scores[5] = 0.0
+    scores[6, -1] = 50.0  # the last id
+    for batch in (scores, scores.half(), scores.view(3, 3, vocab), scores[0], scores[:, :1000], scores[:, : vocab - 8]):
+        assert torch.equal(argmax_rows(batch), batch.argmax(dim=-1))
+    assert argmax_rows(scores)[[1, 2, 6]].tolist() == [7, ARGMAX_CHUNK + 3, vocab - 1]

@@ -77,6 +77,26 @@ def _encode_top(kind: ScoreKind, scores: torch.Tensor, top_n: int, dtype: torch.
 
 _LOGITS_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
+ARGMAX_CHUNK = 4096  # ids a chunk in `argmax_rows`
+
+
+def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """`scores.argmax(dim=-1)`, the first index of each row's maximum, found through the maxima
+    of chunks of ARGMAX_CHUNK ids: they vectorise where torch's CPU argmax does not (8 rows of
+    Gemma-3's 262,144 float32 logits: 1.1 ms → ~0.1 ms on 2 AMD EPYC cores). The first chunk that
+    holds a row's maximum holds its first index."""
+    vocab = scores.shape[-1]
+    if scores.device.type != "cpu" or vocab % ARGMAX_CHUNK or vocab < 16 * ARGMAX_CHUNK or scores.numel() == 0:
+        return scores.argmax(dim=-1)
+    chunks = scores.reshape(-1, vocab // ARGMAX_CHUNK, ARGMAX_CHUNK)
+    chunk_max = chunks.amax(dim=-1)  # [rows, chunks]
+    best = chunk_max.amax(dim=-1, keepdim=True)
+    if torch.isnan(best).any():  # argmax takes NaN for the maximum; == never finds it
+        return scores.argmax(dim=-1)
+    chunk = (chunk_max == best).to(torch.uint8).argmax(dim=-1)  # [rows]
+    inner = chunks[torch.arange(len(chunks)), chunk].argmax(dim=-1)
+    return (chunk * ARGMAX_CHUNK + inner).view(scores.shape[:-1])
+
 
 class SessionKV(Protocol):
     """Where a session's keys and values live, and how its forwards run."""
@@ -721,7 +741,7 @@ class EngineSession:
         """What `scoring` asks for from processed [branches·positions, vocab] scores."""
         config = self.processing
         if scoring.kind == ScoreKind.ARGMAX:
-            return Scores(ScoreKind.ARGMAX, argmax_ids=processed.argmax(dim=-1).to(torch.int32))
+            return Scores(ScoreKind.ARGMAX, argmax_ids=argmax_rows(processed).to(torch.int32))
         if scoring.kind == ScoreKind.PROBS:
             return encode_probs(processed, config)
         dtype = _LOGITS_DTYPES.get(scoring.logits_dtype)
@@ -827,7 +847,7 @@ class EngineSession:
                 logits = logits.index_select(-1, columns)  # [branches, K]
             if greedy:
                 scores = greedy_scores(logits, history, self.processing)
-                token = scores.argmax(dim=-1, keepdim=True)
+                token = argmax_rows(scores).unsqueeze(-1)
                 confidence = scores.softmax(dim=-1).amax(dim=-1).min() if gated else None
             else:
                 probs = sampling_probs(logits, history, self.processing)
