@@ -194,30 +194,27 @@ class Engine:
     ) -> tuple[list[tuple[int, float]], float]:
         """Median ms of one session's cached forward at each of `positions` new positions, all
         scored (a verification), and ms a token of a `decode_tokens`-token greedy round, after a
-        64-token prompt (shorter where the context is); ([], 0.0) when the context is too short."""
+        64-token prompt (shorter where the context is); ([], 0.0) when the context is too short.
+        Each round times every width once, so a disturbance that lasts a while (another process
+        on the cores) falls on every width alike, not on the widths timed during it."""
         held = min(64, self.max_tokens - max(positions) - decode_tokens - 1)
         if held < 1:
             return [], 0.0
         session = self.new_session()
         session.open(OpenRequest(prompt_ids=[i % self.lm.vocab_size for i in range(held)]))
         filler = 1 % self.lm.vocab_size
-
-        def median_ms(step: StepRequest) -> float:
-            times = []
-            for _ in range(repeats + 1):  # the first of each shape is not counted
-                started = time.perf_counter()
-                session.step(replace(step, keep_tokens=held))
-                times.append(time.perf_counter() - started)
-            return statistics.median(times[1:]) * 1e3
-
+        steps = [StepRequest(append_ids=[filler] * n, scoring=Scoring(ScoreKind.ARGMAX, positions=n)) for n in positions]
+        steps.append(StepRequest(append_ids=[filler], propose=decode_tokens, propose_greedy=True, propose_ids_only=True))
+        times: list[list[float]] = [[] for _ in steps]
         try:
-            costs = [
-                (n, median_ms(StepRequest(append_ids=[filler] * n, scoring=Scoring(ScoreKind.ARGMAX, positions=n))))
-                for n in positions
-            ]
-            decode = median_ms(
-                StepRequest(append_ids=[filler], propose=decode_tokens, propose_greedy=True, propose_ids_only=True)
-            )
+            for round_ in range(repeats + 1):  # the first round, each shape's first call, is not counted
+                for step, samples in zip(steps, times, strict=True):
+                    started = time.perf_counter()
+                    session.step(replace(step, keep_tokens=held))
+                    if round_:
+                        samples.append(time.perf_counter() - started)
         finally:
             session.close()
+        medians = [statistics.median(samples) * 1e3 for samples in times]
+        costs, decode = list(zip(positions, medians[:-1], strict=True)), medians[-1]
         return costs, decode / decode_tokens
