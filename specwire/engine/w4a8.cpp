@@ -138,6 +138,12 @@ void tiles_vnni(const int8_t* q, const int32_t* qsum8, const float* row_scale, c
   }
 }
 
+// tiles_vnni<R> for R = 1..8 rows: a pass of any row count up to 8 in one read of the weights.
+using Pass = void (*)(const int8_t*, const int32_t*, const float*, const uint8_t*, const float*, float*, int64_t,
+                      int64_t, int64_t, int64_t, int64_t);
+constexpr Pass kVnniPasses[9] = {nullptr, tiles_vnni<1>, tiles_vnni<2>, tiles_vnni<3>, tiles_vnni<4>,
+                                 tiles_vnni<5>, tiles_vnni<6>, tiles_vnni<7>, tiles_vnni<8>};
+
 // Which path runs: VNNI where the CPU (and the OS) offer it, unless turned off (`use_vnni`).
 bool g_vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
               __builtin_cpu_supports("avx512vnni");
@@ -168,21 +174,9 @@ torch::Tensor w4a8_linear(const torch::Tensor& q, const torch::Tensor& qsum8, co
       const int64_t t1 = std::min(end, t0 + block);
       int64_t m = 0;
       if (g_vnni) {
-        // Passes of 8 rows (16 sums and accumulators of 32 registers), then one of the rest.
-        for (; m + 8 <= M; m += 8) tiles_vnni<8>(qp + m * K, qs + m * groups, rs + m, wp, sp, yp + m * N, K, N, group, t0, t1);
-        const int8_t* qm = qp + m * K;
-        const int32_t* qsm = qs + m * groups;
-        float* ym = yp + m * N;
-        switch (M - m) {
-          case 7: tiles_vnni<7>(qm, qsm, rs + m, wp, sp, ym, K, N, group, t0, t1); break;
-          case 6: tiles_vnni<6>(qm, qsm, rs + m, wp, sp, ym, K, N, group, t0, t1); break;
-          case 5: tiles_vnni<5>(qm, qsm, rs + m, wp, sp, ym, K, N, group, t0, t1); break;
-          case 4: tiles_vnni<4>(qm, qsm, rs + m, wp, sp, ym, K, N, group, t0, t1); break;
-          case 3: tiles_vnni<3>(qm, qsm, rs + m, wp, sp, ym, K, N, group, t0, t1); break;
-          case 2: tiles_vnni<2>(qm, qsm, rs + m, wp, sp, ym, K, N, group, t0, t1); break;
-          case 1: tiles_vnni<1>(qm, qsm, rs + m, wp, sp, ym, K, N, group, t0, t1); break;
-          default: break;
-        }
+        // Passes of 8 rows (8 sums and 8 accumulators of the 32 registers), then one of the rest.
+        for (; m < M; m += 8)
+          kVnniPasses[std::min<int64_t>(8, M - m)](qp + m * K, qs + m * groups, rs + m, wp, sp, yp + m * N, K, N, group, t0, t1);
         continue;
       }
       for (; m + 4 <= M; m += 4) tiles<4>(qp + m * K, qs + m * groups, rs + m, wp, sp, yp + m * N, K, N, group, t0, t1);
