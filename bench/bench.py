@@ -812,9 +812,9 @@ def row_stack(row: str, stacks: set[str]) -> str:
 
 def _start_stacks(config: BenchConfig, needed: set[str], log_dir: Path) -> tuple[dict[str, Stack], dict[str, str]]:
     """The stacks of `stack_configs`, one after another, each once its services compile no more;
-    errors by stack name. Two targets compiling at once take a core each, for minutes: a target's
-    forward curve measured then, and the rows measured while the other still compiled, were
-    2-3x slow (Gemma-3-270M on 2 cores: greedy 55 against 125 tok/s)."""
+    errors by stack name. Two targets compiling at once take a core each, for minutes, and a
+    target's forward curve measured then is too slow (Gemma-3-270M on 2 cores: 22 and 164 ms at
+    one position, 7-8 ms alone)."""
     configs = stack_configs(config, needed)
     stacks: dict[str, Stack] = {}
     errors: dict[str, str] = {}
