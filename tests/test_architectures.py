@@ -104,9 +104,10 @@ def prompt_logits(backend: Engine, prompt_ids: list[int]) -> torch.Tensor:
     return opened.scores.dense  # [positions, vocab]
 
 
-# The cosine bounds: random weights at 4 bits, w4a8 with one scale per 64 or 128 of them.
+# The cosine bounds: random weights at 4 bits (mixed: the head's only).
 @pytest.mark.parametrize(
-    "mode, kind, cosine", [("int8", Int8Linear, 0.995), ("int4", Int4Linear, 0.95), ("w4a8", W4A8Linear, 0.9)]
+    "mode, kind, cosine",
+    [("int8", Int8Linear, 0.995), ("int4", Int4Linear, 0.95), ("w4a8", W4A8Linear, 0.95), ("mixed", W4A8Linear, 0.95)],
 )
 def test_quantised_outputs_equal_their_solo_runs_under_batching(
     models_dir: Path, tokenizer: Any, mode: str, kind: type, cosine: float
@@ -118,6 +119,8 @@ def test_quantised_outputs_equal_their_solo_runs_under_batching(
     backend = engine(path, mode)
     assert backend.lm.quantization == mode
     assert isinstance(backend.lm.model.get_output_embeddings(), kind)
+    if mode == "mixed":
+        assert isinstance(backend.lm.model.model.layers[0].mlp.down_proj, Int8Linear)
     runs = [tokenizer(prompt).input_ids for prompt in PROMPTS] * 2
     solo = [generate(backend, ids) for ids in runs]
     with ThreadPoolExecutor(max_workers=len(runs)) as pool:
@@ -134,14 +137,22 @@ def test_auto_quantisation_leaves_a_model_that_fits_in_cache_in_float(arch_dir: 
 
 def test_auto_quantisation_picks_by_the_linear_weights_bytes() -> None:
     """none in cache; with AVX-512 but no VNNI int4 for mid-sized models (int8 where a width is
-    not in groups of 32) and int8 for large ones; with AVX2 only or AVX-512 VNNI, w4a8; none on
-    CUDA. Sizes only: the weights live on the meta device."""
+    not in groups of 32) and int8 for large ones; with AVX2 only or AVX-512 VNNI, mixed (a w4a8
+    head); none on CUDA. Sizes only: the weights live on the meta device."""
     from torch import nn
 
     from specwire.engine import quantize
 
+    class Model(nn.Module):
+        def __init__(self, mib: float, in_features: int) -> None:
+            super().__init__()
+            self.head = nn.Linear(in_features, int(mib * 2**20 / 4 / in_features), bias=False, device="meta")
+
+        def get_output_embeddings(self) -> nn.Module:
+            return self.head
+
     def model(mib: float, in_features: int = 1024) -> nn.Module:
-        return nn.Sequential(nn.Linear(in_features, int(mib * 2**20 / 4 / in_features), bias=False, device="meta"))
+        return Model(mib, in_features)
 
     cpu = torch.device("cpu")
     assert quantize.resolve("auto", cpu, model(31), "AVX512", vnni=False) == "none"
@@ -150,21 +161,21 @@ def test_auto_quantisation_picks_by_the_linear_weights_bytes() -> None:
     assert quantize.resolve("auto", cpu, model(300), "AVX512", vnni=False) == "int8"
     # With VNNI the w4a8 kernel uses it, and reads half of int8's bytes.
     assert quantize.resolve("auto", cpu, model(31), "AVX512", vnni=True) == "none"
-    assert quantize.resolve("auto", cpu, model(48), "AVX512", vnni=True) == "w4a8"
-    assert quantize.resolve("auto", cpu, model(300), "AVX512", vnni=True) == "w4a8"
+    assert quantize.resolve("auto", cpu, model(48), "AVX512", vnni=True) == "mixed"
+    assert quantize.resolve("auto", cpu, model(300), "AVX512", vnni=True) == "mixed"
     assert quantize.resolve("auto", cpu, model(48, in_features=688), "AVX512", vnni=True) == "int8"
     # Without AVX-512 (so without VNNI) oneDNN's int8 is slow: the AVX2 w4a8 kernel.
     assert quantize.resolve("auto", cpu, model(31), "AVX2", vnni=False) == "none"
-    assert quantize.resolve("auto", cpu, model(48), "AVX2", vnni=False) == "w4a8"
-    assert quantize.resolve("auto", cpu, model(300), "AVX2", vnni=False) == "w4a8"
+    assert quantize.resolve("auto", cpu, model(48), "AVX2", vnni=False) == "mixed"
+    assert quantize.resolve("auto", cpu, model(300), "AVX2", vnni=False) == "mixed"
     assert quantize.resolve("auto", cpu, model(48, in_features=688), "AVX2", vnni=False) == "int8"
     assert quantize.resolve("auto", torch.device("cuda"), model(300)) == "none"
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512vnni"])
 def test_w4a8_equals_its_formula_for_every_row_alone_and_compiled(isa: str) -> None:
-    """The kernel against the same sum in float64 from its packed weights and scales:
-    y = (a/127) Σ_g s_g Σ_k (u − 8)·round(127 x/a), a = max |x| per row; a row alone, in a batch
+    """The kernel against the same sum in float64 from its packed weights, steps and minima:
+    y = (a/127) Σ_g Σ_k (u·s_g + m_g)·round(127 x/a), a = max |x| per row; a row alone, in a batch
     (17 rows: passes of 8 and 4 and what is left) and through torch.compile gives the same bits,
     and the VNNI path the AVX2 path's bits."""
     from torch import nn
@@ -174,17 +185,24 @@ def test_w4a8_equals_its_formula_for_every_row_alone_and_compiled(isa: str) -> N
         if kernel.use_vnni(isa == "avx512vnni") != isa:
             pytest.skip(f"this CPU has no {isa}")
         torch.manual_seed(0)
-        for in_features, out_features in ((640, 1000), (192, 20), (96, 40), (256, 33)):  # groups of 128, 64, 32
+        for in_features, out_features in ((640, 1000), (192, 20), (96, 40), (256, 33)):
             linear = nn.Linear(in_features, out_features)
+            with torch.no_grad():
+                linear.weight[:, :32] += 0.5  # a group far from zero: its minimum carries it
+            before = linear.weight.clone()
             layer = W4A8Linear(linear)
+            assert torch.equal(linear.weight, before)
             x = torch.randn(17, in_features) * torch.logspace(-2, 2, 17)[:, None]
             y = layer(x)
-            unsigned, scales = layer.levels()
-            weight = ((unsigned.double() - 8).view(out_features, -1, layer.group) * scales.double()[..., None]).view(out_features, -1)
+            unsigned, step, low = layer.levels()
+            shape = (out_features, -1, layer.group)
+            weight = (unsigned.double().view(shape) * step.double()[..., None] + low.double()[..., None]).view(out_features, -1)
             amax = x.double().abs().amax(dim=1, keepdim=True)
             expected = torch.round(x.double() / amax * 127) * amax / 127 @ weight.T + linear.bias.double()
             assert (y.double() - expected).abs().max() < 1e-5 * expected.abs().max()
-            assert (weight - linear.weight.double()).abs().max() <= scales.abs().max() + 1e-6  # w rounded, or clamped at 7
+            # Within half a step, plus the float16 rounding of the minimum and step (2^-11 relative).
+            error = (weight - linear.weight.double()).view(shape).abs().amax(dim=-1)
+            assert (error <= step.double() * (0.5 + 16 * 2**-11) + low.double().abs() * 2**-11 + 1e-7).all()
             assert torch.equal(torch.cat([layer(row[None]) for row in x]), y)
             assert torch.equal(torch.compile(layer, fullgraph=True)(x), y)
             if isa == "avx512vnni":

@@ -39,7 +39,7 @@ def load(stem: str) -> Any:
             f"specwire_{stem}", [str(Path(__file__).with_name(f"{stem}.cpp"))],
             # -fopenmp: at::parallel_for's OpenMP loop is compiled here, from torch's headers.
             # -ffp-contract=off: the sums are the source's, not the compiler's choice of FMAs.
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except (RuntimeError, OSError, subprocess.CalledProcessError) as error:

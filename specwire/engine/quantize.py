@@ -7,13 +7,17 @@ the embedding, which stays as it is) for one of:
 - `int4`: 4-bit weights in groups of 32 along the input, each group with its own scale and
   zero point, w = (q − 8)·s + z; activations in bfloat16 (`torch._weight_int4pack_mm_for_cpu`,
   whose float32 path is ~20× slower here).
-- `w4a8`: 4-bit weights in groups of W4A8_GROUP inputs (or 64 or 32 where the input size asks),
-  one scale a group, times activations quantised per row to int8, through the project's kernel
-  (`w4a8.cpp`, built on first use; AVX2, and AVX-512 VNNI where the CPU has it, with the same
-  bits): the int8 dot products of llama.cpp's Q4 × Q8 formats.
-`auto` picks what measured fastest for the device and the model's size (docs/engine.md,
-"Quantised weights"): on CPU none, then w4a8 without AVX-512, or int4 or int8 as the weights
-grow with it; none (bfloat16) on CUDA.
+- `w4a8`: 4-bit weights in groups of W4A8_GROUP inputs, each with its minimum and step, times
+  activations quantised per row to int8, through the project's kernel (`w4a8.cpp`, built on first
+  use; AVX2, and AVX-512 VNNI where the CPU has it, with the same bits): the int8 dot products of
+  llama.cpp's Q4_1 × Q8 formats.
+- `mixed`: the output layer (the LM head, the largest layer of a small model) `w4a8`, every
+  other linear `int8`. Gemma-3-270M's layers lose much at 4 bits and its head little
+  (docs/engine.md, "Quantised weights": held-out perplexity 32.0 float, 35.4 int8, 35.5 mixed,
+  38.8 w4a8).
+`auto` picks by the device and the model's size (docs/engine.md): on CPU none below 32 MiB of
+float linear weights, then mixed where the w4a8 kernel runs (AVX2 or AVX-512 VNNI), else int4
+or int8 as the weights grow; none (bfloat16) on CUDA.
 Outputs then differ from the float model's, by an amount measured (`specwire quality`), but
 never between a session's solo and batched runs.
 """
@@ -33,9 +37,9 @@ log = logging.getLogger("specwire")
 
 # Modes that round activations (int8 per row, int4 through bfloat16): ~1e-7 differences upstream
 # can flip a rounding, so the engine keeps each row's arithmetic independent of its batch.
-ACTIVATION_QUANTISED = ("int8", "int4", "w4a8")
+ACTIVATION_QUANTISED = ("int8", "int4", "w4a8", "mixed")
 INT4_GROUP = 32
-W4A8_GROUP = 128  # at most 128: the kernel sums a group in int16
+W4A8_GROUP = 32  # inputs a group; 32, 64 or 128 (the kernel sums 32 inputs in int16)
 W4A8_TILE = 16  # output channels a tile in w4a8.cpp's layout
 
 
@@ -75,17 +79,24 @@ def resolve(mode: str, device: torch.device, model: nn.Module | None = None, cap
             return "none"
         grouped = all(linear.in_features % INT4_GROUP == 0 for _, _, linear in _linears(cast(nn.Module, model)))
         capability = capability or torch.backends.cpu.get_cpu_capability()
-        if grouped and w4a8_builds():
+        if _head_fits_w4a8(cast(nn.Module, model)) and w4a8_builds():
             vnni = w4a8_kernel().isa() == "avx512vnni" if vnni is None else vnni
-            if capability == "AVX2" or vnni:
-                return "w4a8"
+            if (capability == "AVX2" or vnni) and torch.backends.mkldnn.is_available():
+                return "mixed"
         onednn = torch.backends.mkldnn.is_available()
         return "int4" if grouped and (size < AUTO_INT8_BYTES or not onednn) else "int8" if onednn else "none"
     if mode != "none" and device.type != "cpu":
         raise ValueError(f"--quantize {mode} runs on CPU (oneDNN / int4 CPU kernels); on {device.type} use none")
-    if mode == "w4a8":
+    if mode in ("w4a8", "mixed"):
         w4a8_kernel()  # fails here, with its reason, rather than at the first forward
+    if mode == "mixed" and model is not None and not _head_fits_w4a8(model):
+        raise ValueError(f"--quantize mixed needs an output layer whose input size divides by {W4A8_GROUP}")
     return mode
+
+
+def _head_fits_w4a8(model: nn.Module) -> bool:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return isinstance(head, nn.Linear) and head.in_features % W4A8_GROUP == 0
 
 
 class Int8Linear(nn.Module):
@@ -187,61 +198,65 @@ class Int4Linear(nn.Module):
 
 
 class W4A8Linear(nn.Module):
-    """4-bit weights (groups of W4A8_GROUP inputs, one scale each: w = (u − 8)·s) times int8
-    activations (per row, as Int8Linear's: q = round(127·x/a)), summed in int32 per group."""
+    """4-bit weights in groups of W4A8_GROUP inputs, each with its minimum and step (w = u·s + m,
+    u = 0..15, float16 s and m: llama.cpp's Q4_1), times int8 activations (per row, as
+    Int8Linear's: q = round(127·x/a)), summed in int32 per group."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         w4a8_kernel()
         weight = linear.weight.detach().float()
         out_features, in_features = weight.shape
-        if in_features % 32:
-            raise ValueError(f"w4a8 needs input sizes divisible by 32, got {in_features}")
-        self.in_features, self.out_features = int(in_features), int(out_features)
-        self.group = next(size for size in (W4A8_GROUP, 64, 32) if in_features % size == 0)
+        if in_features % W4A8_GROUP:
+            raise ValueError(f"w4a8 needs input sizes divisible by {W4A8_GROUP}, got {in_features}")
+        self.in_features, self.out_features, self.group = int(in_features), int(out_features), W4A8_GROUP
         groups = weight.view(out_features, in_features // self.group, self.group)
-        # All 16 levels: the weight of largest magnitude maps to −8 (as llama.cpp's Q4_0 does).
-        extreme = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)  # [out, groups]
-        scales = extreme / -8
-        scales = torch.where(scales.abs() < 1e-12, torch.full_like(scales, 1e-12), scales)
-        # In place: each step of the rounding would otherwise allocate a float copy of the weights.
-        levels = (groups / scales[..., None]).round_().clamp_(-8, 7).add_(8)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [out, groups]
+        # The float16 step and minimum are what the kernel reads, so the levels are rounded against them.
+        step, low = ((high - low) / 15).half(), low.half()
+        if not (torch.isfinite(step).all() and torch.isfinite(low).all()):
+            raise ValueError("w4a8: a weight group's range overflows float16")
+        safe = torch.where(step == 0, torch.ones_like(step), step).float()
+        # One copy: each further step of the rounding would otherwise allocate another.
+        levels = (groups - low.float()[..., None]).div_(safe[..., None]).round_().clamp_(0, 15)
         unsigned = levels.to(torch.uint8).view(out_features, in_features)
         # w4a8.cpp's layout: tiles of 16 channels (the last padded with zero weights); a block of
         # 8 inputs holds two vectors of 8 channels, byte 4c + i of one holding inputs i (low) and 4 + i.
         tiles = -(-out_features // W4A8_TILE)
         pad = tiles * W4A8_TILE - out_features
         if pad:
-            unsigned = torch.cat([unsigned, torch.full((pad, in_features), 8, dtype=torch.uint8)])
-            scales = torch.cat([scales, torch.zeros(pad, scales.shape[1])])
+            unsigned = torch.cat([unsigned, torch.zeros((pad, in_features), dtype=torch.uint8)])
+            step = torch.cat([step, step.new_zeros(pad, step.shape[1])])
+            low = torch.cat([low, low.new_zeros(pad, low.shape[1])])
         # Inputs i = 0..3 of a channel are one int32 word; a level (≤ 15) shifted by 4 stays in its byte.
         words = unsigned.view(torch.int32).view(tiles, 2, 8, in_features // 8, 2)  # tile, vector, channel, block, nibble
         joined = words[..., 0] | (words[..., 1] << 4)
         self.packed: torch.Tensor
         self.scales: torch.Tensor
         self.register_buffer("packed", joined.permute(0, 3, 1, 2).contiguous().view(torch.uint8).reshape(tiles, -1))
-        self.register_buffer("scales", scales.view(tiles, W4A8_TILE, -1).transpose(1, 2).contiguous())
+        both = torch.stack([step, low], dim=-1).view(tiles, W4A8_TILE, -1, 2)  # tile, channel, group, (s, m)
+        self.register_buffer("scales", both.permute(0, 2, 3, 1).contiguous())  # tile, group, (s, m), channel
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float()
         amax = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
         q = torch.round(flat / amax * 127).to(torch.int8)
-        qsum8 = q.view(q.shape[0], -1, self.group).sum(dim=-1, dtype=torch.int32) * 8
-        out = torch.ops.specwire.w4a8_linear(q, qsum8, (amax / 127).view(-1), self.packed, self.scales, self.group,
+        qsum = q.view(q.shape[0], -1, self.group).sum(dim=-1, dtype=torch.int32).float()
+        out = torch.ops.specwire.w4a8_linear(q, qsum, (amax / 127).view(-1), self.packed, self.scales, self.group,
                                              self.out_features)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
-    def levels(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(u [out, in], 0..15; s [out, groups]) read back from the kernel's layout: w = (u − 8)·s."""
+    def levels(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(u [out, in], 0..15; s, m [out, groups], float32) read back from the kernel's layout: w = u·s + m."""
         tiles = self.packed.shape[0]
         blocks = self.packed.view(tiles, self.in_features // 8, 2, 8, 4)
         both = torch.stack([blocks & 15, blocks >> 4], dim=-1)  # tile, block, vector, channel, i, nibble
         unsigned = both.permute(0, 2, 3, 1, 5, 4).reshape(tiles * W4A8_TILE, self.in_features)
-        scales = self.scales.transpose(1, 2).reshape(tiles * W4A8_TILE, -1)
-        return unsigned[: self.out_features], scales[: self.out_features]
+        step, low = self.scales.float().permute(0, 3, 1, 2).reshape(tiles * W4A8_TILE, -1, 2).unbind(-1)
+        return unsigned[: self.out_features], step[: self.out_features], low[: self.out_features]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, w4a8 groups of {self.group}"
@@ -266,12 +281,12 @@ def w4a8_kernel() -> Any:
         raise ValueError(f"--quantize w4a8: {error}") from error
 
     @torch.library.custom_op("specwire::w4a8_linear", mutates_args=())
-    def w4a8_linear(q: torch.Tensor, qsum8: torch.Tensor, row_scale: torch.Tensor, packed: torch.Tensor,
+    def w4a8_linear(q: torch.Tensor, qsum: torch.Tensor, row_scale: torch.Tensor, packed: torch.Tensor,
                     scales: torch.Tensor, group: int, out_features: int) -> torch.Tensor:
-        return cast(torch.Tensor, module.w4a8_linear(q, qsum8, row_scale, packed, scales, group, out_features))
+        return cast(torch.Tensor, module.w4a8_linear(q, qsum, row_scale, packed, scales, group, out_features))
 
     @w4a8_linear.register_fake
-    def _(q: torch.Tensor, qsum8: torch.Tensor, row_scale: torch.Tensor, packed: torch.Tensor,
+    def _(q: torch.Tensor, qsum: torch.Tensor, row_scale: torch.Tensor, packed: torch.Tensor,
           scales: torch.Tensor, group: int, out_features: int) -> torch.Tensor:
         return q.new_empty((q.shape[0], out_features), dtype=torch.float32)
 
@@ -356,14 +371,15 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 def quantize(model: Any, mode: str) -> int:
-    """Swap the model's linear layers for `mode`'s (int8, int4 or w4a8), in place; the number swapped."""
+    """Swap the model's linear layers for `mode`'s (int8, int4, w4a8 or mixed), in place; the number swapped."""
     if mode == "none":
         return 0
-    kind = {"int8": Int8Linear, "int4": Int4Linear, "w4a8": W4A8Linear}[mode]
+    kind = {"int8": Int8Linear, "int4": Int4Linear, "w4a8": W4A8Linear, "mixed": Int8Linear}[mode]
+    head = model.get_output_embeddings() if mode == "mixed" and hasattr(model, "get_output_embeddings") else None
     count = len(_linears(model))
     with torch.no_grad():
         groups = 0 if mode == "int4" else _fuse_shared_inputs(model, W4A8Linear if mode == "w4a8" else Int8Linear)
         for parent, name, linear in _linears(model):
-            setattr(parent, name, kind(linear))
+            setattr(parent, name, (W4A8Linear if linear is head else kind)(linear))
     log.info("quantised %d linear layers to %s (%d groups of projections of one input fused)", count, mode, groups)
     return count

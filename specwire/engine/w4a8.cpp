@@ -1,16 +1,17 @@
 // 4-bit weights × 8-bit activations for x86 with AVX2, and AVX-512 VNNI where the CPU has it
 // (docs/engine.md, "Quantised weights").
 //
-// y[r, n] = (a_r / 127) · Σ_g s[n, g] · Σ_{k ∈ g} (u[n, k] − 8) · q[r, k]
-//   u: unsigned 4-bit weights (0..15), groups of G inputs sharing the scale s[n, g];
+// y[r, n] = (a_r / 127) · Σ_g (s[n, g] · Σ_{k ∈ g} u[n, k] · q[r, k] + m[n, g] · Σ_{k ∈ g} q[r, k])
+//   u: unsigned 4-bit weights (0..15) in groups of G inputs, w = u·s + m (asymmetric: a group's
+//      minimum and step, as llama.cpp's Q4_1; float16);
 //   q: the row's activations as int8 (q = round(127 x / a), a = max |x| of the row).
-// Σ (u − 8)·q = Σ u·q − 8·Σ q: vpmaddubsw takes u (unsigned) times q (signed) in pairs, and the
-// 8·Σ_g q terms come in precomputed per row and group (`qsum8`, int32), subtracted in int32.
+// vpmaddubsw takes u (unsigned) times q (signed) in pairs; the Σ_g q terms come in precomputed
+// per row and group (`qsum`, float32: exact, |Σ q| ≤ 128 · 127).
 //
 // Layout: output channels in tiles of 16, two vectors of 8 channels, one int32 lane a channel, so
 // no sum crosses lanes. For each 8 inputs k..k+7 a vector is 32 bytes: byte 4c + i holds channel
 // c's input k + i (low nibble) and k + 4 + i (high nibble). A row's 4 activations k..k+3,
-// broadcast, meet both vectors' 8 channels. Scales: [tiles, groups, 16].
+// broadcast, meet both vectors' 8 channels. Steps and minima: [tiles, groups, 2, 16] float16.
 // Every row is summed in one fixed order whatever the number of rows, so a row's output never
 // depends on its batch.
 #include <torch/extension.h>
@@ -32,7 +33,7 @@ constexpr int64_t kBlockBytes = 65536; // weights a block of tiles: they stay in
 // is spilled to the stack, where each step would wait on its store (the intrinsics' version kept
 // 5 of 8 there: the compiler shared the broadcasts between the vectors).
 template <int R>
-void tiles(const int8_t* q, const int32_t* qsum8, const float* row_scale, const uint8_t* packed, const float* scales,
+void tiles(const int8_t* q, const float* qsum, const float* row_scale, const uint8_t* packed, const uint16_t* scales,
            float* y, int64_t K, int64_t N, int64_t G, int64_t t0, int64_t t1) {
   constexpr int C = kVectors;
   const int64_t groups = K / G;
@@ -40,14 +41,14 @@ void tiles(const int8_t* q, const int32_t* qsum8, const float* row_scale, const 
   const __m256i mask = _mm256_set1_epi8(0x0F);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* wt = packed + t * kTile * (K / 2);
-    const float* st = scales + t * groups * kTile;
+    const uint16_t* st = scales + t * groups * 2 * kTile;
     __m256 acc[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       __m256i dot[R][C];
       for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) dot[r][c] = _mm256_set1_epi32(-qsum8[r * groups + g]);
+        for (int c = 0; c < C; ++c) dot[r][c] = _mm256_setzero_si256();
       for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
         // A pair of products is at most 2·15·127 = 3810 in magnitude, so 32 inputs (8 pairs a
         // lane) add up in int16 (≤ 30,480) before widening to int32.
@@ -77,8 +78,13 @@ void tiles(const int8_t* q, const int32_t* qsum8, const float* row_scale, const 
           for (int c = 0; c < C; ++c) dot[r][c] = _mm256_add_epi32(dot[r][c], _mm256_madd_epi16(sums[r][c], ones));
       }
       for (int c = 0; c < C; ++c) {
-        const __m256 s = _mm256_loadu_ps(st + g * kTile + 8 * c);
-        for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][c]), s, acc[r][c]);
+        const uint16_t* sg = st + g * 2 * kTile + 8 * c;
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + kTile)));
+        for (int r = 0; r < R; ++r) {
+          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][c]), s, acc[r][c]);
+          acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(qsum[r * groups + g]), m, acc[r][c]);
+        }
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -104,18 +110,18 @@ void tiles(const int8_t* q, const int32_t* qsum8, const float* row_scale, const 
 // the float steps are the same, so both paths give the same bits.
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-void tiles_vnni(const int8_t* q, const int32_t* qsum8, const float* row_scale, const uint8_t* packed, const float* scales,
+void tiles_vnni(const int8_t* q, const float* qsum, const float* row_scale, const uint8_t* packed, const uint16_t* scales,
                 float* y, int64_t K, int64_t N, int64_t G, int64_t t0, int64_t t1) {
   const int64_t groups = K / G;
   const __m512i mask = _mm512_set1_epi8(0x0F);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* wt = packed + t * kTile * (K / 2);
-    const float* st = scales + t * groups * kTile;
+    const uint16_t* st = scales + t * groups * 2 * kTile;
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       __m512i dot[R];
-      for (int r = 0; r < R; ++r) dot[r] = _mm512_set1_epi32(-qsum8[r * groups + g]);
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
       for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
         const __m512i bytes = _mm512_loadu_si512(wt + j * 4 * kVectors);
         const __m512i low = _mm512_and_si512(bytes, mask);
@@ -128,8 +134,13 @@ void tiles_vnni(const int8_t* q, const int32_t* qsum8, const float* row_scale, c
           dot[r] = _mm512_dpbusd_epi32(dot[r], high, _mm512_set1_epi32(second));
         }
       }
-      const __m512 s = _mm512_loadu_ps(st + g * kTile);
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), s, acc[r]);
+      const uint16_t* sg = st + g * 2 * kTile;
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg + kTile)));
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), s, acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qsum[r * groups + g]), m, acc[r]);
+      }
     }
     const int64_t n = t * kTile, valid = std::min<int64_t>(kTile, N - n);
     const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
@@ -139,7 +150,7 @@ void tiles_vnni(const int8_t* q, const int32_t* qsum8, const float* row_scale, c
 }
 
 // tiles_vnni<R> for R = 1..8 rows: a pass of any row count up to 8 in one read of the weights.
-using Pass = void (*)(const int8_t*, const int32_t*, const float*, const uint8_t*, const float*, float*, int64_t,
+using Pass = void (*)(const int8_t*, const float*, const float*, const uint8_t*, const uint16_t*, float*, int64_t,
                       int64_t, int64_t, int64_t, int64_t);
 constexpr Pass kVnniPasses[9] = {nullptr, tiles_vnni<1>, tiles_vnni<2>, tiles_vnni<3>, tiles_vnni<4>,
                                  tiles_vnni<5>, tiles_vnni<6>, tiles_vnni<7>, tiles_vnni<8>};
@@ -149,7 +160,7 @@ bool g_vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx51
               __builtin_cpu_supports("avx512vnni");
 const bool kHasVnni = g_vnni;
 
-torch::Tensor w4a8_linear(const torch::Tensor& q, const torch::Tensor& qsum8, const torch::Tensor& row_scale,
+torch::Tensor w4a8_linear(const torch::Tensor& q, const torch::Tensor& qsum, const torch::Tensor& row_scale,
                           const torch::Tensor& packed, const torch::Tensor& scales, int64_t group, int64_t out_features) {
   TORCH_CHECK(q.dtype() == torch::kInt8 && q.is_contiguous() && q.dim() == 2, "q: contiguous int8 [rows, in]");
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2,
@@ -157,15 +168,16 @@ torch::Tensor w4a8_linear(const torch::Tensor& q, const torch::Tensor& qsum8, co
   const int64_t M = q.size(0), K = q.size(1), N = out_features, T = packed.size(0);
   TORCH_CHECK((group == 32 || group == 64 || group == 128) && K % group == 0, "sizes: group 32, 64 or 128, dividing in");
   TORCH_CHECK(packed.size(1) == kTile * K / 2 && N > (T - 1) * kTile && N <= T * kTile, "packed: [ceil(out / 16), 8 · in]");
-  TORCH_CHECK(qsum8.dtype() == torch::kInt32 && qsum8.numel() == M * (K / group), "qsum8: int32 [rows, in/group]");
-  TORCH_CHECK(scales.numel() == T * kTile * (K / group), "scales: [tiles, groups, 16]");
-  TORCH_CHECK(qsum8.is_contiguous() && row_scale.is_contiguous() && scales.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(qsum.dtype() == torch::kFloat32 && qsum.numel() == M * (K / group), "qsum: float32 [rows, in/group]");
+  TORCH_CHECK(scales.dtype() == torch::kFloat16 && scales.numel() == T * 2 * kTile * (K / group),
+              "scales: float16 [tiles, groups, 2, 16]");
+  TORCH_CHECK(qsum.is_contiguous() && row_scale.is_contiguous() && scales.is_contiguous(), "contiguous inputs");
   auto y = torch::empty({M, N}, q.options().dtype(torch::kFloat32));
   const int8_t* qp = q.data_ptr<int8_t>();
-  const int32_t* qs = qsum8.data_ptr<int32_t>();
+  const float* qs = qsum.data_ptr<float>();
   const float* rs = row_scale.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   const int64_t groups = K / group;
   const int64_t block = std::max<int64_t>(1, kBlockBytes / (kTile * K / 2));
