@@ -98,13 +98,19 @@ def provenance(meta: dict[str, Any]) -> str:
 def setup(meta: dict[str, Any]) -> str:
     """The run's workload and models in one line."""
     forward = meta["single_forward"]
+    costs = meta.get("target_forward_costs") or {}
+    quantization = meta.get("target_quantization")
+    served = ""
+    if costs.get("1") is not None:
+        served = (f"; the served target{f' (`--quantize {quantization}`)' if quantization else ''}: "
+                  f"{costs['1']:.2f} ms a forward of 1 position" + (f", {costs['8']:.2f} of 8" if costs.get("8") else ""))
     return (
         f"{meta['prompts']} prompts × {meta['max_new_tokens']} new tokens × {meta['repeats']} repeats, "
         f"γ = {meta['gamma']}, RTT {meta.get('rtt_ms', 0.0):g} ms to each specwire service, "
         f"{meta['device']} {meta['dtype']}; target {meta['parameters']['target'] / 1e6:.1f}M / draft "
-        f"{meta['parameters']['draft'] / 1e6:.1f}M parameters; one cached forward: target "
+        f"{meta['parameters']['draft'] / 1e6:.1f}M parameters; one cached forward in process, unquantised: target "
         f"{forward['target_forward_ms']:.2f} ms, draft {forward['draft_forward_ms']:.2f} ms "
-        f"(c = {forward['cost_ratio_c_direct']:.2f})."
+        f"(c = {forward['cost_ratio_c_direct']:.2f}){served}."
     )
 
 
