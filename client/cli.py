@@ -122,8 +122,9 @@ def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: i
 def _add_quantize_flag(parser: argparse.ArgumentParser, flag: str = "--quantize", whom: str = "the model") -> None:
     parser.add_argument(
         flag, default="auto", choices=list(QUANTIZE_MODES),
-        help=f"{whom}'s linear weights: int8 / int4 on CPU; auto = what measured fastest here "
-        "(none for a model in the CPU's caches, int4 up to 256 MiB of float weights, int8 above; none on CUDA)",
+        help=f"{whom}'s linear weights, on CPU: int8, int4, w4a8, or mixed (the LM head w4a8, the rest int8); "
+        "auto = none for a model in the CPU's caches, else mixed where the w4a8 kernel runs "
+        "(AVX2 or AVX-512 VNNI), int4 or int8 elsewhere; none on CUDA",
     )
 
 
