@@ -22,7 +22,7 @@ from specwire.orchestrator.models import LocalModel
 
 from specwire.engine import CausalLM, Engine, EngineLimits
 from specwire.engine.forward import HFForward
-from specwire.engine.quantize import Int4Linear, Int8Linear, W4A8Linear, w4a8_kernel
+from specwire.engine.quantize import Int4Linear, Int8Linear, W4A8Linear, W8A8Linear, w4a8_kernel
 from specwire.session import OpenRequest, ScoreKind, Scoring
 from tests.conftest import gemma_dir, hf_model
 from tests.tiny import save_gemma3, save_gpt2, save_llama, save_mistral, save_qwen2, save_qwen3
@@ -120,7 +120,7 @@ def test_quantised_outputs_equal_their_solo_runs_under_batching(
     assert backend.lm.quantization == mode
     assert isinstance(backend.lm.model.get_output_embeddings(), kind)
     if mode == "mixed":
-        assert isinstance(backend.lm.model.model.layers[0].mlp.down_proj, Int8Linear)
+        assert isinstance(backend.lm.model.model.layers[0].mlp.down_proj, W8A8Linear)
     runs = [tokenizer(prompt).input_ids for prompt in PROMPTS] * 2
     solo = [generate(backend, ids) for ids in runs]
     with ThreadPoolExecutor(max_workers=len(runs)) as pool:
@@ -203,6 +203,38 @@ def test_w4a8_equals_its_formula_for_every_row_alone_and_compiled(isa: str) -> N
             # Within half a step, plus the float16 rounding of the minimum and step (2^-11 relative).
             error = (weight - linear.weight.double()).view(shape).abs().amax(dim=-1)
             assert (error <= step.double() * (0.5 + 16 * 2**-11) + low.double().abs() * 2**-11 + 1e-7).all()
+            assert torch.equal(torch.cat([layer(row[None]) for row in x]), y)
+            assert torch.equal(torch.compile(layer, fullgraph=True)(x), y)
+            if isa == "avx512vnni":
+                kernel.use_vnni(False)
+                assert torch.equal(layer(x), y)
+                kernel.use_vnni(True)
+    finally:
+        kernel.use_vnni(True)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512vnni"])
+def test_w8a8_equals_its_formula_for_every_row_alone_and_compiled(isa: str) -> None:
+    """y = (a/127)·s_n·Σ_k w·round(127 x/a) in float64 from the packed int8 weights; a row alone,
+    in a batch of 17, compiled, and on the other instruction set gives the same bits."""
+    from torch import nn
+
+    kernel = w4a8_kernel()
+    try:
+        if kernel.use_vnni(isa == "avx512vnni") != isa:
+            pytest.skip(f"this CPU has no {isa}")
+        torch.manual_seed(0)
+        for in_features, out_features in ((640, 1000), (2048, 40), (12, 33)):
+            linear = nn.Linear(in_features, out_features)
+            layer = W8A8Linear(linear)
+            x = torch.randn(17, in_features) * torch.logspace(-2, 2, 17)[:, None]
+            y = layer(x)
+            levels, scales = layer.weight_levels()
+            weight = levels.double() * scales.double()[:, None]
+            amax = x.double().abs().amax(dim=1, keepdim=True)
+            expected = torch.round(x.double() / amax * 127) * amax / 127 @ weight.T + linear.bias.double()
+            assert (y.double() - expected).abs().max() < 1e-5 * expected.abs().max()
+            assert (weight - linear.weight.double()).abs().max() <= scales.max() / 2 + 1e-7
             assert torch.equal(torch.cat([layer(row[None]) for row in x]), y)
             assert torch.equal(torch.compile(layer, fullgraph=True)(x), y)
             if isa == "avx512vnni":

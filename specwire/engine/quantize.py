@@ -262,6 +262,53 @@ class W4A8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, w4a8 groups of {self.group}"
 
 
+class W8A8Linear(nn.Module):
+    """int8 weights, one scale a channel (as Int8Linear's), times int8 activations per row, through
+    the project's kernel (`w8a8_linear` in w4a8.cpp): one call, no oneDNN primitive to look up."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w4a8_kernel()
+        weight = linear.weight.detach().float()
+        out_features, in_features = weight.shape
+        if in_features % 4:
+            raise ValueError(f"w8a8 needs input sizes divisible by 4, got {in_features}")
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)  # symmetric, per output channel
+        levels = torch.round(weight / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+        tiles = -(-out_features // W4A8_TILE)
+        pad = tiles * W4A8_TILE - out_features
+        levels = torch.cat([levels, levels.new_zeros(pad, in_features)])
+        self.packed: torch.Tensor
+        self.scales: torch.Tensor
+        self.colsum128: torch.Tensor
+        # tile, 4 inputs, channel, input within the 4
+        layout = levels.view(tiles, W4A8_TILE, in_features // 4, 4).permute(0, 2, 1, 3)
+        self.register_buffer("packed", layout.contiguous().view(tiles, -1))
+        self.register_buffer("scales", torch.cat([scales, scales.new_zeros(pad)]).contiguous())
+        self.register_buffer("colsum128", (levels.sum(dim=1, dtype=torch.int32) * 128).contiguous())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float()
+        amax = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
+        q = torch.round(flat / amax * 127).to(torch.int8)
+        out = torch.ops.specwire.w8a8_linear(q, (amax / 127).view(-1), self.packed, self.scales, self.colsum128,
+                                             self.out_features)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def weight_levels(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w [out, in] int8, s [out]) read back from the kernel's layout."""
+        tiles = self.packed.shape[0]
+        levels = self.packed.view(tiles, self.in_features // 4, W4A8_TILE, 4).permute(0, 2, 1, 3)
+        return levels.reshape(tiles * W4A8_TILE, -1)[: self.out_features], self.scales[: self.out_features]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8"
+
+
 _W4A8: Any = None
 
 
@@ -290,6 +337,16 @@ def w4a8_kernel() -> Any:
           scales: torch.Tensor, group: int, out_features: int) -> torch.Tensor:
         return q.new_empty((q.shape[0], out_features), dtype=torch.float32)
 
+    @torch.library.custom_op("specwire::w8a8_linear", mutates_args=())
+    def w8a8_linear(q: torch.Tensor, row_scale: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                    colsum128: torch.Tensor, out_features: int) -> torch.Tensor:
+        return cast(torch.Tensor, module.w8a8_linear(q, row_scale, packed, scales, colsum128, out_features))
+
+    @w8a8_linear.register_fake
+    def _(q: torch.Tensor, row_scale: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+          colsum128: torch.Tensor, out_features: int) -> torch.Tensor:
+        return q.new_empty((q.shape[0], out_features), dtype=torch.float32)
+
     _W4A8 = module
     return module
 
@@ -305,7 +362,7 @@ class _SharedProduct:
     taken its part, so no tensor outlives the forward (nor becomes state a compiled graph
     guards on)."""
 
-    def __init__(self, linear: Int8Linear | W4A8Linear, sizes: list[int]) -> None:
+    def __init__(self, linear: Int8Linear | W4A8Linear | W8A8Linear, sizes: list[int]) -> None:
         self.linear, self.sizes = linear, sizes
         self.input: torch.Tensor | None = None
         self.parts: list[torch.Tensor | None] = []
@@ -336,11 +393,11 @@ class SharedInputLinear(nn.Module):
         return self.product.take(x, self.index)
 
     def extra_repr(self) -> str:
-        kind = "int8" if isinstance(self.product.linear, Int8Linear) else "w4a8"
+        kind = {Int8Linear: "int8", W4A8Linear: "w4a8", W8A8Linear: "w8a8"}[type(self.product.linear)]
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}, part {self.index}"
 
 
-def _fuse_shared_inputs(model: nn.Module, kind: type[Int8Linear] | type[W4A8Linear]) -> int:
+def _fuse_shared_inputs(model: nn.Module, kind: type[Int8Linear] | type[W4A8Linear] | type[W8A8Linear]) -> int:
     """Replace each SHARED_INPUT group of projections without bias by one `kind` GEMM."""
     fused = 0
     for parent in model.modules():
@@ -374,11 +431,11 @@ def quantize(model: Any, mode: str) -> int:
     """Swap the model's linear layers for `mode`'s (int8, int4, w4a8 or mixed), in place; the number swapped."""
     if mode == "none":
         return 0
-    kind = {"int8": Int8Linear, "int4": Int4Linear, "w4a8": W4A8Linear, "mixed": Int8Linear}[mode]
+    kind = {"int8": Int8Linear, "int4": Int4Linear, "w4a8": W4A8Linear, "mixed": W8A8Linear}[mode]
     head = model.get_output_embeddings() if mode == "mixed" and hasattr(model, "get_output_embeddings") else None
     count = len(_linears(model))
     with torch.no_grad():
-        groups = 0 if mode == "int4" else _fuse_shared_inputs(model, W4A8Linear if mode == "w4a8" else Int8Linear)
+        groups = 0 if mode == "int4" else _fuse_shared_inputs(model, kind)
         for parent, name, linear in _linears(model):
             setattr(parent, name, (W4A8Linear if linear is head else kind)(linear))
     log.info("quantised %d linear layers to %s (%d groups of projections of one input fused)", count, mode, groups)

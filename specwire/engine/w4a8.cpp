@@ -155,6 +155,83 @@ using Pass = void (*)(const int8_t*, const float*, const float*, const uint8_t*,
 constexpr Pass kVnniPasses[9] = {nullptr, tiles_vnni<1>, tiles_vnni<2>, tiles_vnni<3>, tiles_vnni<4>,
                                  tiles_vnni<5>, tiles_vnni<6>, tiles_vnni<7>, tiles_vnni<8>};
 
+// 8-bit weights × 8-bit activations (`mixed` mode's layers): y[r, n] = (a_r / 127) · s[n] · Σ_k w[n, k] · q[r, k],
+// w int8 with one scale a channel. Layout: tiles of 16 channels; for each 4 inputs k..k+3 a tile is
+// 64 bytes, byte 4c + i holding channel c's input k + i. With VNNI, vpdpbusd takes the activations
+// unsigned (q + 128) and the sums lose 128 · Σ_k w[n, k] (`colsum128`); on AVX2, vpmaddubsw takes
+// |w| and q with w's sign (|products| ≤ 2 · 127 · 127 in int16, no saturation). Both sums are exact.
+template <int R>
+void tiles8(const int8_t* q, const float* row_scale, const int8_t* packed, const float* scales, const int32_t* colsum128,
+            float* y, int64_t K, int64_t N, int64_t t0, int64_t t1) {
+  (void)colsum128;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t t = t0; t < t1; ++t) {
+    const int8_t* wt = packed + t * kTile * K;
+    __m256i dot[R][kVectors];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kVectors; ++c) dot[r][c] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < K; k += 4) {
+      for (int c = 0; c < kVectors; ++c) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + k * kTile + 32 * c));
+        const __m256i magnitude = _mm256_sign_epi8(w, w);
+        for (int r = 0; r < R; ++r) {
+          int32_t word;
+          std::memcpy(&word, q + r * K + k, 4);
+          const __m256i signed_q = _mm256_sign_epi8(_mm256_set1_epi32(word), w);
+          dot[r][c] = _mm256_add_epi32(dot[r][c], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_q), ones));
+        }
+      }
+    }
+    for (int c = 0; c < kVectors; ++c) {
+      const int64_t n = t * kTile + 8 * c, valid = std::min<int64_t>(8, N - n);
+      if (valid <= 0) break;
+      const __m256 s = _mm256_loadu_ps(scales + n);
+      for (int r = 0; r < R; ++r) {
+        const __m256 out = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot[r][c]), s), _mm256_set1_ps(row_scale[r]));
+        if (valid == 8) {
+          _mm256_storeu_ps(y + r * N + n, out);
+        } else {
+          float lanes[8];
+          _mm256_storeu_ps(lanes, out);
+          std::memcpy(y + r * N + n, lanes, valid * sizeof(float));
+        }
+      }
+    }
+  }
+}
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void tiles8_vnni(const int8_t* q, const float* row_scale, const int8_t* packed, const float* scales, const int32_t* colsum128,
+                 float* y, int64_t K, int64_t N, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const int8_t* wt = packed + t * kTile * K;
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K; k += 4) {
+      const __m512i w = _mm512_loadu_si512(wt + k * kTile);
+      for (int r = 0; r < R; ++r) {
+        int32_t word;
+        std::memcpy(&word, q + r * K + k, 4);
+        dot[r] = _mm512_dpbusd_epi32(dot[r], _mm512_set1_epi32(word ^ static_cast<int32_t>(0x80808080u)), w);
+      }
+    }
+    const int64_t n = t * kTile, valid = std::min<int64_t>(kTile, N - n);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 s = _mm512_maskz_loadu_ps(lanes, scales + n);
+    const __m512i correction = _mm512_maskz_loadu_epi32(lanes, colsum128 + n);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r], correction));
+      _mm512_mask_storeu_ps(y + r * N + n, lanes, _mm512_mul_ps(_mm512_mul_ps(sums, s), _mm512_set1_ps(row_scale[r])));
+    }
+  }
+}
+
+using Pass8 = void (*)(const int8_t*, const float*, const int8_t*, const float*, const int32_t*, float*, int64_t, int64_t,
+                       int64_t, int64_t);
+constexpr Pass8 kVnniPasses8[9] = {nullptr, tiles8_vnni<1>, tiles8_vnni<2>, tiles8_vnni<3>, tiles8_vnni<4>,
+                                   tiles8_vnni<5>, tiles8_vnni<6>, tiles8_vnni<7>, tiles8_vnni<8>};
+
 // Which path runs: VNNI where the CPU (and the OS) offer it, unless turned off (`use_vnni`).
 bool g_vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
               __builtin_cpu_supports("avx512vnni");
@@ -199,6 +276,42 @@ torch::Tensor w4a8_linear(const torch::Tensor& q, const torch::Tensor& qsum, con
   return y;
 }
 
+torch::Tensor w8a8_linear(const torch::Tensor& q, const torch::Tensor& row_scale, const torch::Tensor& packed,
+                          const torch::Tensor& scales, const torch::Tensor& colsum128, int64_t out_features) {
+  TORCH_CHECK(q.dtype() == torch::kInt8 && q.is_contiguous() && q.dim() == 2, "q: contiguous int8 [rows, in]");
+  TORCH_CHECK(packed.dtype() == torch::kInt8 && packed.is_contiguous() && packed.dim() == 2,
+              "packed: contiguous int8 [tiles, 16 · in]");
+  const int64_t M = q.size(0), K = q.size(1), N = out_features, T = packed.size(0);
+  TORCH_CHECK(K % 4 == 0 && packed.size(1) == kTile * K && N > (T - 1) * kTile && N <= T * kTile, "packed: [ceil(out / 16), 16 · in]");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.numel() == T * kTile && scales.is_contiguous(), "scales: float32 [tiles · 16]");
+  TORCH_CHECK(colsum128.dtype() == torch::kInt32 && colsum128.numel() == T * kTile && colsum128.is_contiguous(),
+              "colsum128: int32 [tiles · 16]");
+  TORCH_CHECK(row_scale.is_contiguous(), "contiguous inputs");
+  auto y = torch::empty({M, N}, q.options().dtype(torch::kFloat32));
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* rs = row_scale.data_ptr<float>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const int32_t* cp = colsum128.data_ptr<int32_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t block = std::max<int64_t>(1, kBlockBytes / (kTile * K));
+  at::parallel_for(0, T, block, [&](int64_t begin, int64_t end) {
+    for (int64_t t0 = begin; t0 < end; t0 += block) {
+      const int64_t t1 = std::min(end, t0 + block);
+      int64_t m = 0;
+      if (g_vnni) {
+        for (; m < M; m += 8)
+          kVnniPasses8[std::min<int64_t>(8, M - m)](qp + m * K, rs + m, wp, sp, cp, yp + m * N, K, N, t0, t1);
+        continue;
+      }
+      for (; m + 4 <= M; m += 4) tiles8<4>(qp + m * K, rs + m, wp, sp, cp, yp + m * N, K, N, t0, t1);
+      for (; m + 2 <= M; m += 2) tiles8<2>(qp + m * K, rs + m, wp, sp, cp, yp + m * N, K, N, t0, t1);
+      for (; m < M; ++m) tiles8<1>(qp + m * K, rs + m, wp, sp, cp, yp + m * N, K, N, t0, t1);
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 // The instruction set the kernel runs: "avx512vnni" or "avx2".
@@ -212,6 +325,7 @@ std::string use_vnni(bool on) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a8_linear", &w4a8_linear);
+  m.def("w8a8_linear", &w8a8_linear);
   m.def("isa", &isa);
   m.def("use_vnni", &use_vnni);
 }
