@@ -12,9 +12,9 @@ the embedding, which stays as it is) for one of:
   use; AVX2, and AVX-512 VNNI where the CPU has it, with the same bits): the int8 dot products of
   llama.cpp's Q4_1 × Q8 formats.
 - `mixed`: the output layer (the LM head, the largest layer of a small model) `w4a8`, every
-  other linear `int8`. Gemma-3-270M's layers lose much at 4 bits and its head little
-  (docs/engine.md, "Quantised weights": held-out perplexity 32.0 float, 35.4 int8, 35.5 mixed,
-  38.8 w4a8).
+  other linear int8 × int8 through the same kernel file (`W8A8Linear`). Gemma-3-270M's layers
+  lose much at 4 bits and its head little (docs/engine.md, "Quantised weights": held-out
+  perplexity 32.0 float, 35.4 int8, 34.6 mixed, 44.9 w4a8).
 `auto` picks by the device and the model's size (docs/engine.md): on CPU none below 32 MiB of
 float linear weights, then mixed where the w4a8 kernel runs (AVX2 or AVX-512 VNNI), else int4
 or int8 as the weights grow; none (bfloat16) on CUDA.
