@@ -81,7 +81,7 @@ def resolve(mode: str, device: torch.device, model: nn.Module | None = None, cap
         capability = capability or torch.backends.cpu.get_cpu_capability()
         if _head_fits_w4a8(cast(nn.Module, model)) and w4a8_builds():
             vnni = w4a8_kernel().isa() == "avx512vnni" if vnni is None else vnni
-            if (capability == "AVX2" or vnni) and torch.backends.mkldnn.is_available():
+            if capability == "AVX2" or vnni:
                 return "mixed"
         onednn = torch.backends.mkldnn.is_available()
         return "int4" if grouped and (size < AUTO_INT8_BYTES or not onednn) else "int8" if onednn else "none"
@@ -94,8 +94,14 @@ def resolve(mode: str, device: torch.device, model: nn.Module | None = None, cap
     return mode
 
 
+def _output_layer(model: Any) -> nn.Module | None:
+    """transformers' LM head (`get_output_embeddings`), None for a model without one."""
+    get = getattr(model, "get_output_embeddings", None)
+    return cast(nn.Module | None, get()) if callable(get) else None
+
+
 def _head_fits_w4a8(model: nn.Module) -> bool:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _output_layer(model)
     return isinstance(head, nn.Linear) and head.in_features % W4A8_GROUP == 0
 
 
@@ -431,11 +437,12 @@ def quantize(model: Any, mode: str) -> int:
     """Swap the model's linear layers for `mode`'s (int8, int4, w4a8 or mixed), in place; the number swapped."""
     if mode == "none":
         return 0
-    kind = {"int8": Int8Linear, "int4": Int4Linear, "w4a8": W4A8Linear, "mixed": W8A8Linear}[mode]
-    head = model.get_output_embeddings() if mode == "mixed" and hasattr(model, "get_output_embeddings") else None
+    kind: type[nn.Module] = {"int8": Int8Linear, "int4": Int4Linear, "w4a8": W4A8Linear, "mixed": W8A8Linear}[mode]
+    head = _output_layer(model) if mode == "mixed" else None
     count = len(_linears(model))
     with torch.no_grad():
-        groups = 0 if mode == "int4" else _fuse_shared_inputs(model, kind)
+        fused = W8A8Linear if mode == "mixed" else W4A8Linear if mode == "w4a8" else Int8Linear
+        groups = 0 if mode == "int4" else _fuse_shared_inputs(model, fused)
         for parent, name, linear in _linears(model):
             setattr(parent, name, (W4A8Linear if linear is head else kind)(linear))
     log.info("quantised %d linear layers to %s (%d groups of projections of one input fused)", count, mode, groups)
