@@ -159,17 +159,28 @@ def test_auto_quantisation_picks_by_the_linear_weights_bytes() -> None:
     assert quantize.resolve("auto", cpu, model(48), "AVX512", vnni=False) == "int4"
     assert quantize.resolve("auto", cpu, model(48, in_features=688), "AVX512", vnni=False) == "int8"
     assert quantize.resolve("auto", cpu, model(300), "AVX512", vnni=False) == "int8"
-    # With VNNI the w4a8 kernel uses it, and reads half of int8's bytes.
+    # With VNNI the w4a8 and w8a8 kernels use it; the head at 4 bits reads half of int8's bytes.
     assert quantize.resolve("auto", cpu, model(31), "AVX512", vnni=True) == "none"
     assert quantize.resolve("auto", cpu, model(48), "AVX512", vnni=True) == "mixed"
     assert quantize.resolve("auto", cpu, model(300), "AVX512", vnni=True) == "mixed"
     assert quantize.resolve("auto", cpu, model(48, in_features=688), "AVX512", vnni=True) == "int8"
-    # Without AVX-512 (so without VNNI) oneDNN's int8 is slow: the AVX2 w4a8 kernel.
+    # Without AVX-512 (so without VNNI) oneDNN's int8 is slow: the kernels' AVX2 paths.
     assert quantize.resolve("auto", cpu, model(31), "AVX2", vnni=False) == "none"
     assert quantize.resolve("auto", cpu, model(48), "AVX2", vnni=False) == "mixed"
     assert quantize.resolve("auto", cpu, model(300), "AVX2", vnni=False) == "mixed"
     assert quantize.resolve("auto", cpu, model(48, in_features=688), "AVX2", vnni=False) == "int8"
     assert quantize.resolve("auto", torch.device("cuda"), model(300)) == "none"
+
+
+def _same_bits_alone_compiled_and_on_avx2(layer: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, isa: str) -> None:
+    """`y` = layer(x) again for each row alone, through torch.compile, and (from VNNI) on the AVX2 path."""
+    assert torch.equal(torch.cat([layer(row[None]) for row in x]), y)
+    assert torch.equal(torch.compile(layer, fullgraph=True)(x), y)
+    if isa == "avx512vnni":
+        kernel = w4a8_kernel()
+        kernel.use_vnni(False)
+        assert torch.equal(layer(x), y)
+        kernel.use_vnni(True)
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512vnni"])
@@ -203,12 +214,7 @@ def test_w4a8_equals_its_formula_for_every_row_alone_and_compiled(isa: str) -> N
             # Within half a step, plus the float16 rounding of the minimum and step (2^-11 relative).
             error = (weight - linear.weight.double()).view(shape).abs().amax(dim=-1)
             assert (error <= step.double() * (0.5 + 16 * 2**-11) + low.double().abs() * 2**-11 + 1e-7).all()
-            assert torch.equal(torch.cat([layer(row[None]) for row in x]), y)
-            assert torch.equal(torch.compile(layer, fullgraph=True)(x), y)
-            if isa == "avx512vnni":
-                kernel.use_vnni(False)
-                assert torch.equal(layer(x), y)
-                kernel.use_vnni(True)
+            _same_bits_alone_compiled_and_on_avx2(layer, x, y, isa)
     finally:
         kernel.use_vnni(True)
 
@@ -235,12 +241,7 @@ def test_w8a8_equals_its_formula_for_every_row_alone_and_compiled(isa: str) -> N
             expected = torch.round(x.double() / amax * 127) * amax / 127 @ weight.T + linear.bias.double()
             assert (y.double() - expected).abs().max() < 1e-5 * expected.abs().max()
             assert (weight - linear.weight.double()).abs().max() <= scales.max() / 2 + 1e-7
-            assert torch.equal(torch.cat([layer(row[None]) for row in x]), y)
-            assert torch.equal(torch.compile(layer, fullgraph=True)(x), y)
-            if isa == "avx512vnni":
-                kernel.use_vnni(False)
-                assert torch.equal(layer(x), y)
-                kernel.use_vnni(True)
+            _same_bits_alone_compiled_and_on_avx2(layer, x, y, isa)
     finally:
         kernel.use_vnni(True)
 

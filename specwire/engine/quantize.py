@@ -105,6 +105,26 @@ def _head_fits_w4a8(model: nn.Module) -> bool:
     return isinstance(head, nn.Linear) and head.in_features % W4A8_GROUP == 0
 
 
+def int8_channels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(levels int8 [out, in], scales [out]): symmetric, one scale per output channel, w ≈ levels·s."""
+    scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    return torch.round(weight / scales[:, None]).clamp_(-127, 127).to(torch.int8), scales
+
+
+def int8_rows(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [rows, in], a/127 [rows]): each row's activations q = round(127·x/a), a = max |x|."""
+    flat = x.reshape(-1, in_features).float()
+    amax = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
+    return torch.round(flat / amax * 127).to(torch.int8), (amax / 127).view(-1)
+
+
+def _shaped(out: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """A kernel's [rows, out] float32 result plus the bias, in `x`'s leading shape and dtype."""
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+
 class Int8Linear(nn.Module):
     """oneDNN's int8 linear over per-channel int8 weights, with activations quantised per row,
     so that a row's output never depends on the other rows of its batch.
@@ -127,8 +147,7 @@ class Int8Linear(nn.Module):
         self.levels = 127 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 63
         weight = linear.weight.detach().float()  # [out, in]
         self.in_features, self.out_features = int(weight.shape[1]), int(weight.shape[0])
-        scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)  # symmetric, per output channel
-        qweight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        qweight, scales = int8_channels(weight)
         self.packed: torch.Tensor
         self.out_scales: torch.Tensor
         self.ones: torch.Tensor
@@ -245,15 +264,10 @@ class W4A8Linear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float()
-        amax = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
-        q = torch.round(flat / amax * 127).to(torch.int8)
+        q, row_scale = int8_rows(x, self.in_features)
         qsum = q.view(q.shape[0], -1, self.group).sum(dim=-1, dtype=torch.int32).float()
-        out = torch.ops.specwire.w4a8_linear(q, qsum, (amax / 127).view(-1), self.packed, self.scales, self.group,
-                                             self.out_features)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        out = torch.ops.specwire.w4a8_linear(q, qsum, row_scale, self.packed, self.scales, self.group, self.out_features)
+        return _shaped(out, self.bias, x)
 
     def levels(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(u [out, in], 0..15; s, m [out, groups], float32) read back from the kernel's layout: w = u·s + m."""
@@ -280,8 +294,7 @@ class W8A8Linear(nn.Module):
         if in_features % 4:
             raise ValueError(f"w8a8 needs input sizes divisible by 4, got {in_features}")
         self.in_features, self.out_features = int(in_features), int(out_features)
-        scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)  # symmetric, per output channel
-        levels = torch.round(weight / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+        levels, scales = int8_channels(weight)
         tiles = -(-out_features // W4A8_TILE)
         pad = tiles * W4A8_TILE - out_features
         levels = torch.cat([levels, levels.new_zeros(pad, in_features)])
@@ -296,14 +309,9 @@ class W8A8Linear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float()
-        amax = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
-        q = torch.round(flat / amax * 127).to(torch.int8)
-        out = torch.ops.specwire.w8a8_linear(q, (amax / 127).view(-1), self.packed, self.scales, self.colsum128,
-                                             self.out_features)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        q, row_scale = int8_rows(x, self.in_features)
+        out = torch.ops.specwire.w8a8_linear(q, row_scale, self.packed, self.scales, self.colsum128, self.out_features)
+        return _shaped(out, self.bias, x)
 
     def weight_levels(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w [out, in] int8, s [out]) read back from the kernel's layout."""

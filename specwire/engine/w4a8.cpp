@@ -28,6 +28,17 @@ constexpr int kVectors = 2;            // 8-channel vectors a tile
 constexpr int kTile = 8 * kVectors;    // output channels a tile
 constexpr int64_t kBlockBytes = 65536; // weights a block of tiles: they stay in L2 while each pass of rows reads them
 
+// Stores the first `valid` (≤ 8) lanes of `out` at `y`: the last tile may hold fewer channels.
+inline void store_lanes(float* y, __m256 out, int64_t valid) {
+  if (valid == 8) {
+    _mm256_storeu_ps(y, out);
+    return;
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, out);
+  std::memcpy(y, lanes, valid * sizeof(float));
+}
+
 // R rows against tiles [t0, t1). Within each 8 inputs the two vectors go one after the other, so
 // the live registers are 2·R int16 sums, one vector's two nibble halves and two broadcasts: no sum
 // is spilled to the stack, where each step would wait on its store (the intrinsics' version kept
@@ -91,14 +102,7 @@ void tiles(const int8_t* q, const float* qsum, const float* row_scale, const uin
       for (int c = 0; c < C; ++c) {
         const int64_t n = t * kTile + 8 * c, valid = std::min<int64_t>(8, N - n);
         if (valid <= 0) break;
-        const __m256 out = _mm256_mul_ps(acc[r][c], _mm256_set1_ps(row_scale[r]));
-        if (valid == 8) {
-          _mm256_storeu_ps(y + r * N + n, out);
-        } else {
-          float lanes[8];
-          _mm256_storeu_ps(lanes, out);
-          std::memcpy(y + r * N + n, lanes, valid * sizeof(float));
-        }
+        store_lanes(y + r * N + n, _mm256_mul_ps(acc[r][c], _mm256_set1_ps(row_scale[r])), valid);
       }
     }
   }
@@ -161,9 +165,8 @@ constexpr Pass kVnniPasses[9] = {nullptr, tiles_vnni<1>, tiles_vnni<2>, tiles_vn
 // unsigned (q + 128) and the sums lose 128 · Σ_k w[n, k] (`colsum128`); on AVX2, vpmaddubsw takes
 // |w| and q with w's sign (|products| ≤ 2 · 127 · 127 in int16, no saturation). Both sums are exact.
 template <int R>
-void tiles8(const int8_t* q, const float* row_scale, const int8_t* packed, const float* scales, const int32_t* colsum128,
-            float* y, int64_t K, int64_t N, int64_t t0, int64_t t1) {
-  (void)colsum128;
+void tiles8(const int8_t* q, const float* row_scale, const int8_t* packed, const float* scales, float* y, int64_t K,
+            int64_t N, int64_t t0, int64_t t1) {
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t t = t0; t < t1; ++t) {
     const int8_t* wt = packed + t * kTile * K;
@@ -186,16 +189,9 @@ void tiles8(const int8_t* q, const float* row_scale, const int8_t* packed, const
       const int64_t n = t * kTile + 8 * c, valid = std::min<int64_t>(8, N - n);
       if (valid <= 0) break;
       const __m256 s = _mm256_loadu_ps(scales + n);
-      for (int r = 0; r < R; ++r) {
-        const __m256 out = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot[r][c]), s), _mm256_set1_ps(row_scale[r]));
-        if (valid == 8) {
-          _mm256_storeu_ps(y + r * N + n, out);
-        } else {
-          float lanes[8];
-          _mm256_storeu_ps(lanes, out);
-          std::memcpy(y + r * N + n, lanes, valid * sizeof(float));
-        }
-      }
+      for (int r = 0; r < R; ++r)
+        store_lanes(y + r * N + n, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot[r][c]), s), _mm256_set1_ps(row_scale[r])),
+                    valid);
     }
   }
 }
@@ -304,9 +300,9 @@ torch::Tensor w8a8_linear(const torch::Tensor& q, const torch::Tensor& row_scale
           kVnniPasses8[std::min<int64_t>(8, M - m)](qp + m * K, rs + m, wp, sp, cp, yp + m * N, K, N, t0, t1);
         continue;
       }
-      for (; m + 4 <= M; m += 4) tiles8<4>(qp + m * K, rs + m, wp, sp, cp, yp + m * N, K, N, t0, t1);
-      for (; m + 2 <= M; m += 2) tiles8<2>(qp + m * K, rs + m, wp, sp, cp, yp + m * N, K, N, t0, t1);
-      for (; m < M; ++m) tiles8<1>(qp + m * K, rs + m, wp, sp, cp, yp + m * N, K, N, t0, t1);
+      for (; m + 4 <= M; m += 4) tiles8<4>(qp + m * K, rs + m, wp, sp, yp + m * N, K, N, t0, t1);
+      for (; m + 2 <= M; m += 2) tiles8<2>(qp + m * K, rs + m, wp, sp, yp + m * N, K, N, t0, t1);
+      for (; m < M; ++m) tiles8<1>(qp + m * K, rs + m, wp, sp, yp + m * N, K, N, t0, t1);
     }
   });
   return y;
