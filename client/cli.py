@@ -41,6 +41,8 @@ MODULE_COMMANDS: dict[str, tuple[str, str, str]] = {
         "time to SERVING (cold and warm compile cache), restart under up, SIGTERM to exit"),
     "distill": ("specwire.draft_service.distill", "run",
         "train a draft to match a target's next-token distributions (KL), report α before/after"),
+    "self-text": ("specwire.draft_service.self_text", "run",
+        "a corpus of the target's own greedy continuations (distill --data)"),
     "train-medusa": ("specwire.target_service.train_medusa", "main",
         "train Medusa heads on a frozen base model"),
     "teacher-cache": ("specwire.teacher_cache", "run",

@@ -151,6 +151,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--eval-windows", type=int, default=64, help="held-out windows α is measured on (--draft)")
     scratch_flags = parser.add_argument_group("a new draft over a trimmed vocabulary, from a teacher cache")
     scratch_flags.add_argument("--from-scratch", action="store_true", help="build a new draft instead of --draft")
+    scratch_flags.add_argument("--init", help="a draft of --from-scratch to train further (its shape and vocabulary)")
     scratch_flags.add_argument("--layers", type=int, default=4)
     scratch_flags.add_argument("--hidden", type=int, default=384, help="width (heads of 64)")
     scratch_flags.add_argument("--vocab-top", type=int, default=16384, help="K: the target's most frequent ids kept")
@@ -174,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
     if args.from_scratch == (args.draft is not None):
         raise SystemExit("give exactly one of --draft (distil an existing draft) and --from-scratch")
+    if args.init and not args.from_scratch:
+        raise SystemExit("--init trains a draft of --from-scratch further: give --from-scratch too")
     if args.from_scratch:
         report = scratch.train(args)
         for label in ("before", "after"):

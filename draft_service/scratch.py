@@ -85,6 +85,15 @@ def new_draft(shape: DraftShape, vocab: TrimmedVocab, target_config: Any, max_po
     return LlamaForCausalLM(config)
 
 
+def load_draft(directory: Path) -> tuple[LlamaForCausalLM, TrimmedVocab]:
+    """A draft this command wrote, with its trimmed vocabulary, to train on."""
+    vocab = TrimmedVocab.load(directory)
+    if vocab is None:
+        raise SystemExit(f"--init {directory}: no trimmed vocabulary there (a draft of distill --from-scratch)")
+    model = LlamaForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    return model, vocab
+
+
 @torch.no_grad()
 def measure(model: Any, split: dict[str, torch.Tensor], vocab: TrimmedVocab, batch_size: int) -> dict[str, float]:
     """Held-out α (lower and upper bound), greedy agreement and KL_S, averaged over positions."""
@@ -148,11 +157,17 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     target_config = AutoConfig.from_pretrained(str(target))
     generation = GenerationConfig.from_pretrained(str(target))
     target_config.eos_token_id = generation.eos_token_id or target_config.eos_token_id
-    vocab = draft_vocabulary(corpus.train_stream, args.vocab_top, target_config, tokenizer)
-    shape = DraftShape(args.layers, args.hidden, len(vocab.ids))
-    max_positions = int(getattr(target_config, "max_position_embeddings", 4096))
-    model = new_draft(shape, vocab, target_config, max_positions, args.seed).train()
-    if args.embedding_init == "target":
+    if args.init:  # a draft of this kind, trained further: its vocabulary and shape stay
+        model, vocab = load_draft(Path(args.init))
+        config: Any = model.config
+        shape = DraftShape(config.num_hidden_layers, config.hidden_size, len(vocab.ids), config.num_key_value_heads)
+    else:
+        vocab = draft_vocabulary(corpus.train_stream, args.vocab_top, target_config, tokenizer)
+        shape = DraftShape(args.layers, args.hidden, len(vocab.ids))
+        max_positions = int(getattr(target_config, "max_position_embeddings", 4096))
+        model = new_draft(shape, vocab, target_config, max_positions, args.seed)
+    model.train()
+    if args.embedding_init == "target" and not args.init:
         teacher: Any = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
         target_embedding_init(model, teacher.get_input_embeddings().weight.detach(), vocab)
         del teacher
@@ -199,8 +214,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "target": target.name,
         "teacher_cache": {"windows": used, "held_out_windows": len(held_out["tokens"]),
                           "seq_len": cache.spec.seq_len, "top_k": cache.spec.top_k},
-        "text_windows": len(text), "text_weight": args.text_weight, "text_batch": args.text_batch, "embedding_init": args.embedding_init,
-        "shape": asdict(shape) | {"heads": shape.heads, "intermediate": shape.intermediate},
+        "init": str(args.init) if args.init else None, "text_windows": len(text), "text_weight": args.text_weight, "text_batch": args.text_batch, "embedding_init": args.embedding_init,
+        "shape": asdict(shape) | {"heads": shape.heads, "kv_heads": min(shape.kv_heads, shape.heads), "intermediate": shape.intermediate},
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab_coverage": float(np.isin(corpus.train_stream, np.asarray(vocab.ids)).mean()),
         "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "bf16": bf16,

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 from specwire.client.cli import main as cli_main
 from specwire.draft_service.distill import acceptance, distillation_loss, greedy_agreement
+from transformers import GenerationConfig
 
 from specwire.engine import CausalLM
 
@@ -64,3 +65,64 @@ def test_distill_from_scratch_builds_a_trimmed_draft_that_learns_and_serves_targ
     assert all(torch.equal(first[name], second[name]) for name in first)
     lm = CausalLM.load(str(outs[0]), device="cpu", dtype="float32")
     assert lm.vocab_size == 320 and int(lm.model.get_input_embeddings().weight.shape[0]) == 256
+
+
+def test_self_text_continues_prompts_as_transformers_greedy_does(llama_target_dir: Path) -> None:
+    """The engine's continuation of a prompt is transformers' greedy `generate`, token for token,
+    over two `MAX_PROPOSE` steps; the prompts are statement openings of the stdlib's training files."""
+    from specwire.draft_service.self_text import continue_greedily, prompts
+
+    from specwire.engine import MAX_PROPOSE, Engine, EngineLimits
+
+    lm = CausalLM.load(str(llama_target_dir), device="cpu", dtype="float32")
+    engine = Engine(lm, "target", EngineLimits(max_batch_rows=3, max_cache_len=256, compile="off"))
+    prompt = [1, 17, 42, 99, 5]
+    new_tokens = MAX_PROPOSE + 37  # two steps; at 115 its top two logits lie 0.002 apart (a tie to float error)
+    ours = continue_greedily(engine, prompt, new_tokens, ends=set())
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=[])  # no end id: every step's argmax
+    reference = lm.model.generate(torch.tensor([prompt]), generation_config=greedy)[0, len(prompt):].tolist()
+    assert len(reference) == new_tokens
+    assert ours == reference
+    cut = continue_greedily(engine, prompt, new_tokens, ends={reference[10]})
+    assert cut == reference[: reference.index(reference[10]) + 1]
+    openings = prompts(5, 3, seed=1)
+    assert openings == prompts(5, 3, seed=1) and len(set(openings)) == 5
+    assert all(text.count("\n") == 3 and text.strip() and not text.lstrip().startswith("#") for text in openings)
+
+
+def test_distill_init_trains_a_scratch_draft_further_on_the_target_own_text(llama_target_dir: Path, tmp_path: Path) -> None:
+    """self-text's corpus, then `--init`: the draft keeps its shape and vocabulary and moves toward the target."""
+    text = tmp_path / "self.txt"
+    argv = ["self-text", "--target", str(llama_target_dir), "--out", str(text), "--prompts", "12", "--lines", "2",
+            "--new-tokens", "48", "--streams", "3", "--max-len", "128", "--compile", "off", "--threads", "1"]
+    assert cli_main(argv) == 0
+    assert text.read_text().count("\n\n\n") >= 11
+    common = ["--target", str(llama_target_dir), "--data", str(text), "--seq-len", "32", "--top-k", "16",
+              "--windows", "16", "--held-out-windows", "2", "--batch-size", "4", "--warmup", "2"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert cli_main(["distill", "--from-scratch", "--out", str(first), "--teacher-cache", str(tmp_path / "c1"), *common,
+                     "--layers", "1", "--hidden", "32", "--vocab-top", "200", "--steps", "4", "--lr", "5e-3"]) == 0
+    assert cli_main(["distill", "--from-scratch", "--init", str(first), "--out", str(second),
+                     "--teacher-cache", str(tmp_path / "c1"), *common, "--steps", "30", "--lr", "5e-3"]) == 0
+    before, after = (json.loads((out / "distill_report.json").read_text()) for out in (first, second))
+    assert after["init"] == str(first) and after["shape"] == before["shape"]
+    assert (second / "draft_vocab.json").read_text() == (first / "draft_vocab.json").read_text()
+    assert after["before"] == before["after"]  # it starts where the first run ended
+    assert after["after"]["kl"] < after["before"]["kl"]
+
+
+def test_pair_keeps_a_first_draft_built_before_self_text_as_its_base(tmp_path: Path) -> None:
+    """A pair directory whose draft was trained on the stdlib alone: that draft becomes draft-base
+    (with its recorded seconds), so `specwire pair` trains only the steps after it."""
+    from specwire.client.pair import RECORD, _keep_first_draft
+
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "distill_report.json").write_text(json.dumps({"steps": 1500}))
+    (tmp_path / RECORD).write_text(json.dumps({"name": "x", "draft_seconds": 12.5}))
+    _keep_first_draft(tmp_path)
+    assert not (tmp_path / "draft").exists() and (tmp_path / "draft-base" / "distill_report.json").exists()
+    assert json.loads((tmp_path / RECORD).read_text()) == {"name": "x", "draft_base_seconds": 12.5}
+    (tmp_path / "draft").mkdir()  # trained further (`init`): stays
+    (tmp_path / "draft" / "distill_report.json").write_text(json.dumps({"init": str(tmp_path / "draft-base")}))
+    _keep_first_draft(tmp_path)
+    assert (tmp_path / "draft" / "distill_report.json").exists()
