@@ -107,7 +107,8 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--quantize", default="auto", help="the target's weights, as it is served (default auto)")
     parser.add_argument("--streams", type=int, default=8, help="continuations batched together")
     parser.add_argument("--max-len", type=int, default=512, help="cache tokens per stream")
-    parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+    parser.add_argument("--compile", default="off", choices=["auto", "on", "off"],
+                        help="compile before generating (default off: minutes for a real target, longer than its run)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--seed", type=int, default=0, help="where the prompts are cut")
 
