@@ -445,12 +445,14 @@ def quantize(model: Any, mode: str) -> int:
     """Swap the model's linear layers for `mode`'s (int8, int4, w4a8 or mixed), in place; the number swapped."""
     if mode == "none":
         return 0
-    kind: type[nn.Module] = {"int8": Int8Linear, "int4": Int4Linear, "w4a8": W4A8Linear, "mixed": W8A8Linear}[mode]
+    # The kinds whose one GEMM serves a group of projections of one input.
+    fusable: dict[str, type[Int8Linear] | type[W4A8Linear] | type[W8A8Linear]] = {
+        "int8": Int8Linear, "w4a8": W4A8Linear, "mixed": W8A8Linear}
+    kind: type[nn.Module] = Int4Linear if mode == "int4" else fusable[mode]
     head = _output_layer(model) if mode == "mixed" else None
     count = len(_linears(model))
     with torch.no_grad():
-        fused = W8A8Linear if mode == "mixed" else W4A8Linear if mode == "w4a8" else Int8Linear
-        groups = 0 if mode == "int4" else _fuse_shared_inputs(model, fused)
+        groups = 0 if mode == "int4" else _fuse_shared_inputs(model, fusable[mode])
         for parent, name, linear in _linears(model):
             setattr(parent, name, (W4A8Linear if linear is head else kind)(linear))
     log.info("quantised %d linear layers to %s (%d groups of projections of one input fused)", count, mode, groups)

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 namespace {
 
@@ -233,6 +234,27 @@ bool g_vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx51
               __builtin_cpu_supports("avx512vnni");
 const bool kHasVnni = g_vnni;
 
+// Every row of a product over its weight tiles, `block` tiles a task (their weights stay in cache
+// while each pass of rows reads them): VNNI passes of up to 8 rows, `vnni(m, rows, t0, t1)`; else
+// AVX2 passes of 4, 2 and 1, `avx2(std::integral_constant<int, R>, m, t0, t1)`.
+template <class Vnni, class Avx2>
+void row_passes(int64_t M, int64_t T, int64_t block, const Vnni& vnni, const Avx2& avx2) {
+  at::parallel_for(0, T, block, [&](int64_t begin, int64_t end) {
+    for (int64_t t0 = begin; t0 < end; t0 += block) {
+      const int64_t t1 = std::min(end, t0 + block);
+      int64_t m = 0;
+      if (g_vnni) {
+        // Passes of 8 rows (8 sums and 8 accumulators of the 32 registers), then one of the rest.
+        for (; m < M; m += 8) vnni(m, std::min<int64_t>(8, M - m), t0, t1);
+        continue;
+      }
+      for (; m + 4 <= M; m += 4) avx2(std::integral_constant<int, 4>(), m, t0, t1);
+      for (; m + 2 <= M; m += 2) avx2(std::integral_constant<int, 2>(), m, t0, t1);
+      for (; m < M; ++m) avx2(std::integral_constant<int, 1>(), m, t0, t1);
+    }
+  });
+}
+
 torch::Tensor w4a8_linear(const torch::Tensor& q, const torch::Tensor& qsum, const torch::Tensor& row_scale,
                           const torch::Tensor& packed, const torch::Tensor& scales, int64_t group, int64_t out_features) {
   TORCH_CHECK(q.dtype() == torch::kInt8 && q.is_contiguous() && q.dim() == 2, "q: contiguous int8 [rows, in]");
@@ -254,21 +276,14 @@ torch::Tensor w4a8_linear(const torch::Tensor& q, const torch::Tensor& qsum, con
   float* yp = y.data_ptr<float>();
   const int64_t groups = K / group;
   const int64_t block = std::max<int64_t>(1, kBlockBytes / (kTile * K / 2));
-  at::parallel_for(0, T, block, [&](int64_t begin, int64_t end) {
-    for (int64_t t0 = begin; t0 < end; t0 += block) {
-      const int64_t t1 = std::min(end, t0 + block);
-      int64_t m = 0;
-      if (g_vnni) {
-        // Passes of 8 rows (8 sums and 8 accumulators of the 32 registers), then one of the rest.
-        for (; m < M; m += 8)
-          kVnniPasses[std::min<int64_t>(8, M - m)](qp + m * K, qs + m * groups, rs + m, wp, sp, yp + m * N, K, N, group, t0, t1);
-        continue;
-      }
-      for (; m + 4 <= M; m += 4) tiles<4>(qp + m * K, qs + m * groups, rs + m, wp, sp, yp + m * N, K, N, group, t0, t1);
-      for (; m + 2 <= M; m += 2) tiles<2>(qp + m * K, qs + m * groups, rs + m, wp, sp, yp + m * N, K, N, group, t0, t1);
-      for (; m < M; ++m) tiles<1>(qp + m * K, qs + m * groups, rs + m, wp, sp, yp + m * N, K, N, group, t0, t1);
-    }
-  });
+  row_passes(
+      M, T, block,
+      [&](int64_t m, int64_t rows, int64_t t0, int64_t t1) {
+        kVnniPasses[rows](qp + m * K, qs + m * groups, rs + m, wp, sp, yp + m * N, K, N, group, t0, t1);
+      },
+      [&](auto rows, int64_t m, int64_t t0, int64_t t1) {
+        tiles<decltype(rows)::value>(qp + m * K, qs + m * groups, rs + m, wp, sp, yp + m * N, K, N, group, t0, t1);
+      });
   return y;
 }
 
@@ -291,20 +306,14 @@ torch::Tensor w8a8_linear(const torch::Tensor& q, const torch::Tensor& row_scale
   const int32_t* cp = colsum128.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
   const int64_t block = std::max<int64_t>(1, kBlockBytes / (kTile * K));
-  at::parallel_for(0, T, block, [&](int64_t begin, int64_t end) {
-    for (int64_t t0 = begin; t0 < end; t0 += block) {
-      const int64_t t1 = std::min(end, t0 + block);
-      int64_t m = 0;
-      if (g_vnni) {
-        for (; m < M; m += 8)
-          kVnniPasses8[std::min<int64_t>(8, M - m)](qp + m * K, rs + m, wp, sp, cp, yp + m * N, K, N, t0, t1);
-        continue;
-      }
-      for (; m + 4 <= M; m += 4) tiles8<4>(qp + m * K, rs + m, wp, sp, yp + m * N, K, N, t0, t1);
-      for (; m + 2 <= M; m += 2) tiles8<2>(qp + m * K, rs + m, wp, sp, yp + m * N, K, N, t0, t1);
-      for (; m < M; ++m) tiles8<1>(qp + m * K, rs + m, wp, sp, yp + m * N, K, N, t0, t1);
-    }
-  });
+  row_passes(
+      M, T, block,
+      [&](int64_t m, int64_t rows, int64_t t0, int64_t t1) {
+        kVnniPasses8[rows](qp + m * K, rs + m, wp, sp, cp, yp + m * N, K, N, t0, t1);
+      },
+      [&](auto rows, int64_t m, int64_t t0, int64_t t1) {
+        tiles8<decltype(rows)::value>(qp + m * K, rs + m, wp, sp, yp + m * N, K, N, t0, t1);
+      });
   return y;
 }
 
