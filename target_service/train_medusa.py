@@ -123,12 +123,13 @@ def load_streams(tokenizer: Any, data: list[str], max_files: int) -> tuple[np.nd
 
 def new_heads(args: argparse.Namespace, lm_head: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> MedusaHeads:
     """Fresh heads whose vocabulary maps start as the base's (rows `vocab_ids` when trimmed), or
-    `--init`'s saved heads when they fit."""
+    `--init`'s saved heads when their shape fits. Those keep their own ids: another corpus ranks
+    ids otherwise, and re-ranking would scramble the rows they learned."""
     head_vocab = 0 if vocab_ids is None else len(vocab_ids)
     config = MedusaConfig(args.heads, args.layers, int(lm_head.shape[1]), int(lm_head.shape[0]), head_vocab)
     if args.init:  # continue from saved heads
         heads = MedusaHeads.load(args.init).train()
-        if heads.config != config or (vocab_ids is not None and not torch.equal(heads.vocab_ids, vocab_ids)):
+        if heads.config != config:
             raise SystemExit(f"--init: heads {heads.config} do not fit {config}")
         return heads
     heads = MedusaHeads(config, vocab_ids)

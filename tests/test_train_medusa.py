@@ -67,6 +67,17 @@ def test_train_medusa_from_a_teacher_cache_learns_trimmed_heads_that_load_back(l
     hidden = torch.randn(3, heads.config.hidden_size)
     assert torch.equal(heads.top_ids(hidden, 5), heads(hidden).topk(5, dim=-1).indices)  # no 320-wide rows
     assert torch.equal(heads.top_ids(hidden, 80), heads(hidden).topk(80, dim=-1).indices)  # beyond the 64 ids
+    # --init on other text, whose ids rank otherwise: the heads go on with their own 64 ids.
+    other = tmp_path / "other.txt"
+    other.write_text("".join(reversed(CORPUS)).upper() * 40)
+    argv = ["train-medusa", "--model", str(llama_target_dir), "--out", str(tmp_path / "c"), "--data", str(other),
+            "--teacher-cache", str(tmp_path / "cache-other"), "--windows", "16", "--held-out-windows", "16",
+            "--seq-len", "32", "--top-k", "16", "--vocab-top", "64", "--steps", "10", "--heads", "2", "--batch-size",
+            "4", "--lr", "3e-3", "--init", str(tmp_path / "a")]
+    assert main(argv) == 0
+    continued = MedusaHeads.load(tmp_path / "c")
+    assert torch.equal(continued.vocab_ids, heads.vocab_ids)
+    assert json.loads((tmp_path / "c" / "train_report.json").read_text())["init"] == "a"
 
 
 def test_heads_on_a_quantised_target_are_quantised_too(llama_target_dir: Path, llama_heads_dir: Path) -> None:
