@@ -23,7 +23,7 @@ from specwire.client.sdk import GenerateResult, GenerationError, build_request
 from specwire.orchestrator.generation import Decoder
 from specwire.orchestrator.models import LocalModel
 
-from specwire.engine import COST_POSITIONS, CausalLM, Engine, EngineLimits, SlotKV, scheduler
+from specwire.engine import COST_POSITIONS, CausalLM, Engine, EngineLimits, SlotKV, kernels, scheduler
 from specwire.engine.scheduler import ForwardJob, compute_on, score_selection
 from specwire.entropy_metrics import PositionMetrics, token_entropy
 from specwire.errors import ResourceExhausted
@@ -481,9 +481,23 @@ def test_greedy_rounds_near_their_end_ride_along_fused_steps_of_longer_ones() ->
         assert not fused([full, other])
 
 
-def test_a_thread_set_to_one_torch_thread_stays_there_when_another_sets_more() -> None:
+def _w8a8_product() -> None:
+    from specwire.engine.quantize import W8A8Linear
+
+    W8A8Linear(torch.nn.Linear(64, 64, bias=False))(torch.randn(1, 64))
+
+
+@pytest.mark.parametrize("first_loop", ["aten", "kernel"])
+def test_a_thread_set_to_one_torch_thread_stays_there_when_another_sets_more(first_loop: str) -> None:
     """torch sets a thread's count at its first parallel loop to the count set last by any
-    thread; `compute_on` must hold against that, or the thread grows an OpenMP pool of its own."""
+    thread, and each library calling `at::parallel_for` does so once more, at its own first loop
+    (a session thread's first Medusa head, through the w8a8 kernel); `compute_on` must hold
+    against both, or the thread grows an OpenMP pool of its own."""
+    if first_loop == "kernel":
+        if not kernels.available("w4a8"):
+            pytest.skip("the w4a8 kernel does not build here")
+        _w8a8_product()  # built before the threads set their counts, as a service's model is
+    loop = _w8a8_product if first_loop == "kernel" else lambda: torch.randn(1 << 20).mul(2).sum()
     before = torch.get_num_threads()
     counts: dict[str, int] = {}
     ready, other_done = threading.Event(), threading.Event()
@@ -492,7 +506,7 @@ def test_a_thread_set_to_one_torch_thread_stays_there_when_another_sets_more() -
         compute_on(1)
         ready.set()
         other_done.wait()
-        torch.randn(1 << 20).mul(2).sum()  # its first parallel loop
+        loop()  # its first parallel loop (of that library)
         counts["session"] = torch.get_num_threads()
 
     def forward_thread() -> None:

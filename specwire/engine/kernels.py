@@ -49,6 +49,16 @@ def load(stem: str) -> Any:
     return module
 
 
+def init_threads() -> None:
+    """Run, on this thread, each built kernel's copy of torch's once-a-thread set-up of the thread
+    count. `at::parallel_for` inlines it into every library that calls it; at that library's first
+    loop on a thread, it sets the thread to the count any thread set last (torch 2.13), which
+    undid `compute_on(1)` on a session thread at its first Medusa head (Gemma-3-270M greedy
+    afterwards: 19 ms a token instead of 9, the second OpenMP pool stopping every worker's spin)."""
+    for module in _BUILT.values():
+        module.init_threads()
+
+
 def available(stem: str) -> bool:
     """Whether `stem`.cpp builds here; where it does not, the reason is logged once."""
     told = stem in _FAILED

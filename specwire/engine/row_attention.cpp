@@ -172,4 +172,7 @@ torch::Tensor row_attention(const torch::Tensor& query, const torch::Tensor& key
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("row_attention", &row_attention); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("init_threads", &at::internal::lazy_init_num_threads);  // as in w4a8.cpp
+  m.def("row_attention", &row_attention);
+}

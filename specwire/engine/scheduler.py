@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from specwire.engine import kernels
 from specwire.engine.batch_costs import BatchCosts
 from specwire.engine.cache import SlotCache
 from specwire.engine.forward import ForwardBatch, ForwardOutput, LeanModel, greedy_steps, row_keys
@@ -665,9 +666,11 @@ class Shape:
 def compute_on(threads: int) -> None:
     """This thread's parallel loops use `threads` threads. torch sets a thread's count at its
     first parallel loop to the count any thread set last, undoing a count set before then
-    (torch 2.13): `get_num_threads` has that first-time set-up happen now. At one thread, the
-    thread's OpenMP pool, if it made one, is given back (`_release_openmp_pool`)."""
+    (torch 2.13): `get_num_threads` has that first-time set-up happen now, and so does each
+    kernel's copy of it (`kernels.init_threads`). At one thread, the thread's OpenMP pool, if it
+    made one, is given back (`_release_openmp_pool`)."""
     torch.get_num_threads()
+    kernels.init_threads()
     torch.set_num_threads(threads)
     if threads == 1:
         _release_openmp_pool()

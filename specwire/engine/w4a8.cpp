@@ -329,6 +329,9 @@ std::string use_vnni(bool on) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // This library's own copy of torch's once-a-thread set-up of the thread count (an inline
+  // function's thread_local): `compute_on` runs it first, so that it cannot undo the count later.
+  m.def("init_threads", &at::internal::lazy_init_num_threads);
   m.def("w4a8_linear", &w4a8_linear);
   m.def("w8a8_linear", &w8a8_linear);
   m.def("isa", &isa);
