@@ -16,7 +16,7 @@ from specwire.orchestrator.speculative import (
     ngram_settings,
     one_hot_probs,
 )
-from specwire.orchestrator.speedup import RunningEstimates, forward_cost_at, plan_round, time_per_token_ms
+from specwire.orchestrator.speedup import RunningEstimates, best_gamma, forward_cost_at, plan_round, time_per_token_ms
 from transformers import GenerationConfig
 
 from specwire.acceptance import accept_draft, accept_drafts, residual_distribution
@@ -291,6 +291,26 @@ def test_seeded_estimates_plan_the_first_round_and_scale_the_curve_by_what_they_
     assert estimates.verify_scale == pytest.approx(2.0, rel=1e-3)
     assert estimates.verify_at(0) == pytest.approx(2.0, rel=1e-3)
     assert not RunningEstimates.seeded([], 0.0, 0.0).ready  # nothing timed: measure first
+
+
+def test_a_draft_message_with_a_fixed_cost_does_not_talk_the_plan_into_a_short_gamma() -> None:
+    """A draft message costs a + γ·b (it appends the kept tokens, then drafts): measured at γ 2,
+    the plan must still choose the γ those true costs make best, not price every token at
+    (a + 2b) / 2 and shrink γ. Oracle: `best_gamma` on the true costs (Gemma-3-270M's curve,
+    roughly, and its int4 draft)."""
+    curve = [(1, 8.2), (2, 9.0), (3, 9.3), (4, 9.4), (5, 9.9), (6, 10.1), (8, 10.8), (12, 16.9)]
+    fixed, step, trip = 1.6, 1.1, 1.0
+    estimates = RunningEstimates.seeded(curve, target_ms_per_token=8.2, draft_ms_per_token=step)
+    for _ in range(40):
+        estimates.record_acceptance(drafted=4, accepted=3 if _ % 4 else 1)
+        estimates.record_draft(compute_ms=fixed + 2 * step, tokens=2, trip_ms=trip)
+        estimates.record_verify(compute_ms=9.3, positions=3, trip_ms=trip)
+    alpha = estimates.alpha
+    true_best = best_gamma(alpha, step, lambda g: forward_cost_at(curve, g + 1), 2 * trip + fixed, max_gamma=8)
+    per_token_only = best_gamma(alpha, (fixed + 2 * step) / 2, lambda g: forward_cost_at(curve, g + 1), 2 * trip, 8)
+    assert per_token_only < true_best  # the old estimate's bias, which this guards against
+    assert estimates.draft_fixed_ms == pytest.approx(fixed) and estimates.draft_ms_per_token == pytest.approx(step)
+    assert estimates.plan(16, 8, draft_trip=True).gamma == true_best
 
 
 def test_batch_costs_keep_each_shape_met_and_estimate_the_others_along_the_one_row_curve() -> None:
