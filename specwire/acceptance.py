@@ -12,7 +12,6 @@ p already is; there it runs on the orchestrator's seed, so the orchestrator stil
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from specwire.processing import draw
 
@@ -49,9 +48,12 @@ def accept_drafts(
     accepted = uniform * q_drafted < p_drafted  # u < p/q without dividing; q(x) > 0 for a drawn x
     accepted_len = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [B]
     rows = torch.arange(batch)
-    # A zero q row after the last draft makes the residual there p_{γ+1}: the bonus distribution.
-    padded_q = F.pad(draft_probs, (0, 0, 0, 1))  # [B, γ+1, V]
-    next_dist = residual_distribution(target_probs[rows, accepted_len], padded_q[rows, accepted_len])  # [B, V]
+    # q = 0 after the last draft makes the residual there p_{γ+1}: the bonus distribution.
+    q_next = torch.zeros_like(target_probs[:, 0])  # [B, V]
+    if gamma:
+        drafted = (accepted_len < gamma).unsqueeze(-1)  # [B, 1]
+        q_next = torch.where(drafted, draft_probs[rows, accepted_len.clamp_max(gamma - 1)], q_next)
+    next_dist = residual_distribution(target_probs[rows, accepted_len], q_next)  # [B, V]
     next_token = draw(next_dist, generator)  # [B]
     return accepted_len, next_token
 

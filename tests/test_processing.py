@@ -117,7 +117,7 @@ def test_top_p_after_top_k_sorts_the_survivors_alone_to_the_full_sorts_bits(
 ) -> None:
     generator = torch.Generator().manual_seed(k)
     logits = torch.randn(5, 4096, generator=generator) * 3
-    if ties:  # ties among the survivors: the whole row is sorted, as transformers sorts it
+    if ties:  # a cut between equal survivors: the whole row is sorted, as transformers sorts it
         logits = (logits * 4).round() / 4
     history = torch.zeros(5, 1, dtype=torch.long)
     expected = TopPLogitsWarper(p, min_tokens_to_keep=keep)(history, TopKLogitsWarper(k)(history, logits.clone()))
@@ -132,6 +132,101 @@ def test_top_p_after_top_k_sorts_the_survivors_alone_to_the_full_sorts_bits(
     monkeypatch.setattr(processing, "_top_p_of_few", spy)
     assert torch.equal(processing.top_p(processing.top_k(logits, k), p, keep), expected)
     assert outcomes == [not ties]
+
+
+WIDE = 131_072  # wide enough that `_largest` takes its chunks for k ≤ 48
+
+
+def _transformers_probs(logits: torch.Tensor, history: torch.Tensor, config: ProcessingConfig) -> torch.Tensor:
+    processors = [
+        RepetitionPenaltyLogitsProcessor(config.repetition_penalty),
+        TemperatureLogitsWarper(config.temperature),
+        TopKLogitsWarper(config.top_k, min_tokens_to_keep=config.min_tokens_to_keep),
+        TopPLogitsWarper(config.top_p, min_tokens_to_keep=config.min_tokens_to_keep),
+    ]
+    if config.no_repeat_ngram_size:
+        processors.insert(1, NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size))
+    if config.min_p:
+        processors.append(MinPLogitsWarper(config.min_p, min_tokens_to_keep=config.min_tokens_to_keep))
+    scores = logits.clone()
+    for processor in processors:
+        scores = processor(history, scores)
+    return scores.softmax(dim=-1)
+
+
+@pytest.mark.parametrize("kind", ["normal", "bfloat16", "banned"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        ProcessingConfig(temperature=0.666, top_k=27, top_p=0.9),
+        ProcessingConfig(temperature=1.0, top_k=48),
+        ProcessingConfig(temperature=1.7, top_k=5, top_p=0.5, min_tokens_to_keep=2),
+        ProcessingConfig(temperature=0.5, top_k=40, min_p=0.05),
+        ProcessingConfig(repetition_penalty=1.3, temperature=0.8, top_k=20, top_p=0.95),
+    ],
+    ids=["bench", "t1", "hot-keep2", "min_p", "penalty"],
+)
+def test_sampling_from_the_top_k_candidates_alone_gives_transformers_bits(
+    monkeypatch: pytest.MonkeyPatch, config: ProcessingConfig, kind: str
+) -> None:
+    generator = torch.Generator().manual_seed(len(kind) * 31 + config.top_k)
+    logits = torch.randn(5, WIDE, generator=generator) * 4
+    history = torch.randint(0, WIDE, (5, 40), generator=generator)
+    if kind == "bfloat16":  # logits with bfloat16's steps: equal scores among the survivors
+        logits = logits.to(torch.bfloat16).float()
+    if kind == "banned":  # −inf scores, as no-repeat-n-gram leaves them
+        config = ProcessingConfig(**{**config.__dict__, "no_repeat_ngram_size": 2})
+        history[:, -1] = logits.topk(3, dim=-1).indices[:, 0]
+        history[:, 10] = history[:, -1]
+    taken: list[bool] = []
+    fast = processing._top_k_sampling_probs
+
+    def spy(*args: object) -> torch.Tensor | None:
+        result = fast(*args)  # type: ignore[arg-type]
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(processing, "_top_k_sampling_probs", spy)
+    assert torch.equal(processing.sampling_probs(logits, history, config), _transformers_probs(logits, history, config))
+    assert taken == [True] or kind == "bfloat16"  # there a cut may fall between equal scores
+
+
+@pytest.mark.parametrize(
+    ("case", "config"),
+    [
+        ("integer logits: the k-th tied past the last candidate", ProcessingConfig(temperature=0.7, top_k=27, top_p=0.9)),
+        ("T overflows a score", ProcessingConfig(temperature=1e-38, top_k=27)),
+        ("NaN", ProcessingConfig(temperature=0.7, top_k=27)),
+        ("+inf", ProcessingConfig(temperature=0.7, top_k=27)),
+    ],
+)
+def test_sampling_warps_the_whole_row_where_the_candidates_cannot_be_sure(case: str, config: ProcessingConfig) -> None:
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, WIDE, generator=generator) * 3
+    if case.startswith("integer"):
+        logits = logits.round()
+    elif case.startswith("T"):
+        logits[1, 7] = -50.0  # / 1e-38 overflows to −inf: `temperature` takes the row to its limit
+    elif case == "NaN":
+        logits[0, 9] = float("nan")
+    else:
+        logits[1, 9] = float("inf")
+    history = torch.zeros(2, 1, dtype=torch.long)
+    assert processing._top_k_sampling_probs(logits, config) is None
+    actual = processing.sampling_probs(logits, history, config)
+    whole_row = processing.apply_warpers(logits, config).softmax(dim=-1)
+    torch.testing.assert_close(actual, whole_row, rtol=0, atol=0, equal_nan=True)
+    if case.startswith("integer"):
+        assert torch.equal(actual, _transformers_probs(logits, history, config))
+
+
+def test_largest_finds_topks_values_and_ids_that_hold_them() -> None:
+    generator = torch.Generator().manual_seed(5)
+    scores = (torch.randn(4, WIDE, generator=generator) * 3).to(torch.bfloat16).float()  # ties too
+    values, ids = processing._largest(scores, 43)
+    assert torch.equal(values, torch.topk(scores, 43).values)
+    assert torch.equal(scores.gather(1, ids), values)
+    assert all(len(set(row)) == 43 for row in ids.tolist())
 
 
 def test_draw_follows_the_distribution_and_never_an_id_without_mass() -> None:

@@ -789,7 +789,7 @@ class EngineSession:
         vocab = self.lm.vocab_size
         ids, values, dense = scores.sparse_ids, scores.sparse_values, scores.dense
         if dense is not None:
-            rows = dense.float()
+            rows = given = dense.float()
             if rows.dim() != 2 or rows.shape[1] != vocab:
                 raise InvalidArgument("verify.draft_probs", f"dense rows must be [γ, {vocab}], got {list(rows.shape)}")
         elif ids is not None and values is not None:
@@ -798,11 +798,12 @@ class EngineSession:
             if bool(((ids < -1) | (ids >= vocab)).any()):
                 raise InvalidArgument("verify.draft_probs", f"sparse ids must be -1 (padding) or in [0, {vocab})")
             rows = scores.to_dense(vocab, 0.0)
+            given = values[ids >= 0].float()  # what the dense rows hold besides zeros
         else:
             raise InvalidArgument("verify.draft_probs", "must carry dense rows or sparse ids and values")
         if rows.shape[0] > MAX_PROPOSE:
             raise InvalidArgument("verify.draft_probs", f"at most {MAX_PROPOSE} rows, got {rows.shape[0]}")
-        if not bool(torch.isfinite(rows).all()) or bool((rows < 0).any()) or bool((rows > 1).any()):
+        if not bool(((given >= 0) & (given <= 1)).all()):  # NaN fails both
             raise InvalidArgument("verify.draft_probs", "probabilities must be finite and in [0, 1]")
         return rows
 
@@ -827,8 +828,11 @@ class EngineSession:
             return beam_logprobs(logits, history, config)
         return apply_penalties(logits, history, config)
 
-    def _propose(self, count: int, greedy: bool, seed: int, min_confidence: float) -> tuple[torch.Tensor, Scores | None]:
-        """Draw up to `count` tokens per branch in one decode round; the last drawn stays pending."""
+    def _propose(
+        self, count: int, greedy: bool, seed: int, min_confidence: float, ids_only: bool = False
+    ) -> tuple[torch.Tensor, Scores | None]:
+        """Draw up to `count` tokens per branch in one decode round; the last drawn stays pending.
+        The drawn tokens' distributions come back too unless `greedy` or `ids_only`."""
         self.last_hidden = None
         generator = None
         if not greedy:
@@ -852,8 +856,9 @@ class EngineSession:
             else:
                 probs = sampling_probs(logits, history, self.processing)
                 token = draw(probs, generator).unsqueeze(-1)
-                confidence = probs.amax(dim=-1).min()
-                dists.append(probs)
+                confidence = probs.amax(dim=-1).min() if gated else None
+                if not ids_only:
+                    dists.append(probs)
             if columns is not None:
                 token = columns[token]
             if gated and float(cast(torch.Tensor, confidence)) < min_confidence:
@@ -867,7 +872,7 @@ class EngineSession:
         plain = greedy and not self.processing.has_penalties and min_confidence <= 0
         self.forward_calls += self.kv.decode(self.tokens, self._uncached_start(1), count, pick, plain)
         proposed = torch.cat(drawn, dim=1).to(torch.int32)
-        if greedy:
+        if greedy or ids_only:
             return proposed, None
         probs = torch.stack(dists, dim=1).flatten(0, 1)  # [branches·n, vocab]
         return proposed, encode_probs(probs, self.processing, columns)
@@ -888,9 +893,7 @@ class EngineSession:
         proposed, proposal_scores = None, None
         if propose > 0:
             self._check_length(self.length + propose, "propose")
-            proposed, proposal_scores = self._propose(propose, greedy, seed, min_confidence)
-            if ids_only:
-                proposal_scores = None
+            proposed, proposal_scores = self._propose(propose, greedy, seed, min_confidence, ids_only)
         # Whoever times this call (the servicer, a LocalSession) must see the GPU work in it.
         synchronize(self.lm.device)
         return StepResult(
