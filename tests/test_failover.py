@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from specwire.client import Client, GenerationError
 from specwire.client.launcher import free_base_port
+from specwire.orchestrator import replicas as replicas_module
 from specwire.orchestrator.models import CallStats
 from specwire.orchestrator.replicas import ReplicaSet, resolve, split_addresses
 from specwire.orchestrator.server import SERVICE_NAME as ORCHESTRATOR
@@ -33,7 +34,7 @@ from specwire.errors import StatusError
 from specwire.metrics import OrchestratorMetrics
 from specwire.model_service import SERVICE_NAME as MODEL_SERVICE
 from specwire.model_service import ModelServicer
-from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
+from specwire.session import ModelInfo, OpenRequest, ScoreKind, Scoring, StepRequest
 from tests.conftest import load_engine
 from tests.harness import (
     LoopThread,
@@ -488,3 +489,40 @@ def test_sessions_still_open_when_the_drain_window_ends_move_to_another_replica(
         loop.run(orchestrator.running.server.stop(0))
         for server in servers:
             loop.run(server.running.server.stop(0))
+
+
+def test_the_info_a_replica_gave_while_compiling_is_fetched_again_when_it_is_done(
+    loop: LoopThread, llama_target_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Speculation plans from `Info`'s costs; a service compiling in the background reports its
+    eager warm-up timings until the compiler ends, so the orchestrator must ask again then."""
+    monkeypatch.setattr(replicas_module, "INFO_REFRESH_S", 0.05)
+    engine = load_engine(llama_target_dir, "target")
+    measured = engine.info()
+    compiling = threading.Event()
+    compiling.set()
+
+    def info() -> ModelInfo:
+        if compiling.is_set():  # as while compiling: eager costs
+            return replace(measured, compiling=True, decode_ms_per_token=55.0)
+        return replace(measured, compiling=False, compiled=True, decode_ms_per_token=8.0)
+
+    engine.info = info  # type: ignore[method-assign]
+
+    async def scenario() -> tuple[float, float, float]:
+        server = await start_model_server(engine)
+        replicas = await ReplicaSet.connect(server.address, "target", 10.0)
+        try:
+            before = replicas.info.decode_ms_per_token
+            await asyncio.sleep(0.3)
+            still = replicas.info.decode_ms_per_token
+            compiling.clear()
+            deadline = time.monotonic() + 10
+            while replicas.info.decode_ms_per_token != 8.0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return before, still, replicas.info.decode_ms_per_token
+        finally:
+            await replicas.close()
+            await server.running.server.stop(0)
+
+    assert loop.run(scenario()) == (55.0, 55.0, 8.0)
