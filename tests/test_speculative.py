@@ -253,7 +253,7 @@ def test_running_estimates_track_acceptance_and_costs() -> None:
     estimates.record_draft(compute_ms=4.0, tokens=4, trip_ms=0.5)
     estimates.record_verify(compute_ms=10.0, positions=5, trip_ms=0.5)
     assert estimates.ready and estimates.plan(8, 16, draft_trip=True).speculate
-    for _ in range(40):  # now every first draft is rejected
+    for _ in range(80):  # now every first draft is rejected (decay 0.95: a memory of ~20 rounds)
         estimates.record_acceptance(drafted=4, accepted=0)
     assert estimates.alpha < 0.1 and not estimates.plan(8, 16, draft_trip=True).speculate
 
