@@ -62,7 +62,7 @@ BACKOFF_MAX_S = 1.0
 # A NOT_SERVING replica (loading, draining) is asked again this often at most.
 POLL_MAX_S = 0.5
 # A replica compiling in the background is asked for `Info` this often until it is done.
-INFO_REFRESH_S = 5.0
+INFO_REFRESH_S = 1.0
 
 
 def split_addresses(spec: str) -> list[tuple[str, int]]:
