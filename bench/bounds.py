@@ -129,9 +129,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     streams = sorted({1, *args.streams})
     limits = EngineLimits(max_batch_rows=max(streams) + 1, max_cache_len=1024, compile=args.compile)
-    # The target is timed before the draft's engine exists: that engine's forward thread keeps an
-    # OpenMP pool for a while after its last job, and two pools on the cores make libgomp stop
-    # spinning (Gemma-3-270M's target: 13.8 ms a forward timed beside the draft, 7.9 served).
+    # The target is timed before the draft's engine exists: timed after it was built (its threads
+    # and their OpenMP workers in this process too), Gemma-3-270M's target took 13.8 ms a forward
+    # at one position; before, 8.0, what its service serves (2 cores).
     target = Engine(_load("target", args), "target", limits)
     target.warmup()
     verify, greedy_ms = target.measure_costs(repeats=args.repeats, positions=args.positions, decode_tokens=GREEDY_ROUND)
