@@ -301,8 +301,8 @@ def test_a_draft_message_with_a_fixed_cost_does_not_talk_the_plan_into_a_short_g
     curve = [(1, 8.2), (2, 9.0), (3, 9.3), (4, 9.4), (5, 9.9), (6, 10.1), (8, 10.8), (12, 16.9)]
     fixed, step, trip = 1.6, 1.1, 1.0
     estimates = RunningEstimates.seeded(curve, target_ms_per_token=8.2, draft_ms_per_token=step)
-    for _ in range(40):
-        estimates.record_acceptance(drafted=4, accepted=3 if _ % 4 else 1)
+    for round_index in range(40):
+        estimates.record_acceptance(drafted=4, accepted=3 if round_index % 4 else 1)
         estimates.record_draft(compute_ms=fixed + 2 * step, tokens=2, trip_ms=trip)
         estimates.record_verify(compute_ms=9.3, positions=3, trip_ms=trip)
     alpha = estimates.alpha
