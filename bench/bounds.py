@@ -129,9 +129,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     streams = sorted({1, *args.streams})
     limits = EngineLimits(max_batch_rows=max(streams) + 1, max_cache_len=1024, compile=args.compile)
-    # The target is timed before the draft's engine exists: timed after it was built (its threads
-    # and their OpenMP workers in this process too), Gemma-3-270M's target took 13.8 ms a forward
-    # at one position; before, 8.0, what its service serves (2 cores).
+    # The target is timed before the draft's engine exists: timed after it was built, Gemma-3-270M's
+    # target took 13.8 ms a forward at one position; before, 8.0, what its service serves (2 cores).
+    # A second thread count set in the process is enough: after torch.set_num_threads(1) then (2)
+    # on the main thread, the forward thread's 5-position forward took 21.4 ms, not 10.5 (more
+    # OpenMP workers than cores, and libgomp stops their spinning; `scheduler` module docstring).
     target = Engine(_load("target", args), "target", limits)
     target.warmup()
     verify, greedy_ms = target.measure_costs(repeats=args.repeats, positions=args.positions, decode_tokens=GREEDY_ROUND)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
 
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from specwire.draft_service.ngram import ngram_proposal
 from specwire.orchestrator.context import DecodeContext, Round
 from specwire.orchestrator.params import MAX_SPECULATIVE_TOKENS
-from specwire.orchestrator.speedup import RunningEstimates
+from specwire.orchestrator.speedup import AcceptanceMemory, RunningEstimates
 
 from specwire.acceptance import accept_draft
 from specwire.processing import ProcessingConfig
@@ -122,6 +123,18 @@ def max_sampled_gamma(vocab_size: int, message_bytes: int = MAX_MESSAGE_BYTES) -
     return max(1, message_bytes // 2 // (4 * vocab_size) - 1)
 
 
+# What each draft handle's rounds accepted in earlier generations, by target and request rule
+# (α depends on both). Weak: an orchestrator's handles go, their memories with them.
+_MEMORIES: weakref.WeakKeyDictionary[object, dict[object, AcceptanceMemory]] = weakref.WeakKeyDictionary()
+
+
+def acceptance_memory(ctx: DecodeContext) -> AcceptanceMemory:
+    """The memory of this generation's pair and rule (`AcceptanceMemory`)."""
+    assert ctx.draft is not None
+    key = (ctx.target.info.model_name, ctx.params.do_sample, ctx.params.processing)
+    return _MEMORIES.setdefault(ctx.draft, {}).setdefault(key, AcceptanceMemory())
+
+
 def ngram_settings(info: ModelInfo) -> tuple[int, int] | None:
     """(ngram_max, ngram_min) when the draft service is the n-gram drafter, else None."""
     if "ngram" not in info.capabilities:
@@ -162,10 +175,12 @@ class Speculation:
         self.target_sync = SessionSync(len(self.history), len(self.history))
         self.draft_sync = SessionSync(len(self.history), len(self.history))
         self.target_opened = self.draft_opened = False
-        # The services' warm-up timings let the first round be planned, not guessed.
+        # The services' warm-up timings and the pair's earlier rounds let the first round be
+        # planned, not guessed.
         draft_ms = ctx.draft.info.decode_ms_per_token if self.draft is not None else 0.0
+        self.memory = acceptance_memory(ctx)
         self.estimates = RunningEstimates.seeded(
-            ctx.target.info.forward_costs, ctx.target.info.decode_ms_per_token, draft_ms
+            ctx.target.info.forward_costs, ctx.target.info.decode_ms_per_token, draft_ms, self.memory.prior()
         )
         self.pending: Proposal | None = None  # proposed during the previous verification
         self.off_left = 0  # target-only rounds to run before probing speculation again
@@ -179,9 +194,13 @@ class Speculation:
         with ctx.round() as current:
             if not self.target_opened:
                 before = replace(ctx.stats.target)
-                await self.target.open(self._opening())
+                opened = await self.target.open(self._opening())
                 self.target_opened = True
                 spent = ctx.stats.target.since(before)
+                # The batch the prefill rode in: the first round's guess at the load it will meet
+                # (planned as one row, eight Gemma-3-270M streams opened at γ 7, 64 positions a forward).
+                timing = opened.timing
+                self.estimates.record_load(timing.batch_rows, timing.batch_costs, timing.one_row_costs)
                 self.estimates.record_target_trip(spent.client_ms - spent.compute_ms)
             gamma = self._choose_gamma(remaining)
             if gamma is None:
@@ -321,6 +340,7 @@ class Speculation:
             self.draft_sync = SessionSync(base + len(drafts), base + accepted_len)
         # A round with nothing to draft (no n-gram match) yields one token: a failed trial.
         self.estimates.record_acceptance(max(1, len(drafts)), accepted_len)
+        self.memory.record(max(1, len(drafts)), accepted_len)
         _count(ctx, len(drafts), accepted_len)
         ctx.stats.pipelined_rounds += int(pipelined)
         ctx.stats.speculative_rounds += 1
@@ -372,7 +392,10 @@ class Speculation:
         assert result.proposed_ids is not None
         tokens: list[int] = result.proposed_ids.reshape(-1).tolist()  # may be fewer than asked
         spent = ctx.stats.draft.since(before)
-        if ctx.stats.draft.calls > 2:  # the first step carries the prompt's prefill
+        # The first step carries the prompt's prefill, and one after target-only rounds their
+        # tokens: a prefill, not what a round costs (as a round's fixed cost, 30 caught-up tokens
+        # took Gemma-3-270M's draft from 1.3 to 2.3 ms a round, and the next round target-only).
+        if ctx.stats.draft.calls > 2 and len(append) <= 1:
             self.estimates.record_draft(spent.compute_ms, len(tokens), spent.client_ms - spent.compute_ms)
         return Proposal(tokens, result.proposal_scores if params.do_sample else None)
 

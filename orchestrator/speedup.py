@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 from specwire.cost_curve import forward_cost_at
 
 WILSON_Z = 1.645  # `RunningEstimates.alpha_upper`: a one-sided 95% bound
+# The weight a generation's first α takes from earlier ones (`AcceptanceMemory.prior`): about
+# 8 rounds' trials at α 0.7, so one round neither turns speculation off nor locks it on.
+PRIOR_TRIALS = 20.0
 # Milliseconds to verify γ drafts (one target forward over γ + 1 positions), by γ.
 VerifyCost = Callable[[int], float]
 
@@ -115,6 +118,30 @@ def plan_round(
     return RoundPlan(gamma, spec_ms, off_ms)
 
 
+@dataclass
+class AcceptanceMemory:
+    """The acceptance counts of a draft/target pair's earlier rounds, across generations: the α a
+    new generation starts from. A generation's first rounds are a few trials; from a fixed prior
+    of 3 in 5, Gemma-3-270M's first rejection took α under the break-even and its next 30 tokens
+    target-only, where the pair's α is 0.73 (auto γ 1.00× greedy against γ 4's 1.15×)."""
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+    decay: float = 0.99  # ~100 rounds: several generations
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One verified round, as `RunningEstimates.record_acceptance` counts it."""
+        self.accepted = self.decay * self.accepted + accepted
+        self.rejected = self.decay * self.rejected + (1.0 if accepted < drafted else 0.0)
+
+    def prior(self, trials: float = PRIOR_TRIALS) -> tuple[float, float]:
+        """(accepted, rejected) worth `trials` trials at the remembered α; 3 and 2 before any round."""
+        if self.accepted + self.rejected <= 0:
+            return 3.0, 2.0
+        alpha = alpha_estimate(self.accepted, self.rejected)
+        return alpha * trials, (1.0 - alpha) * trials
+
+
 def _ema(old: float | None, new: float, weight: float = 0.3) -> float:
     return new if old is None else (1.0 - weight) * old + weight * new
 
@@ -122,8 +149,8 @@ def _ema(old: float | None, new: float, weight: float = 0.3) -> float:
 @dataclass
 class RunningEstimates:
     """One generation's running figures for `plan_round`: moving averages of measured costs and
-    decayed acceptance counts (α by `alpha_estimate`, from a prior of 3 accepted, 2 rejected, so
-    the first rounds neither lock speculation in nor out). None until measured, unless the
+    decayed acceptance counts (α by `alpha_estimate`, from a prior: 3 accepted, 2 rejected, or
+    what earlier generations of the pair accepted, `AcceptanceMemory`). None until measured, unless the
     services timed themselves at warm-up (`seeded`): then the first round is planned too.
 
     The verify forward's cost depends on γ where a forward's cost grows with its positions (a
@@ -164,15 +191,22 @@ class RunningEstimates:
 
     @classmethod
     def seeded(
-        cls, verify_costs: list[tuple[int, float]], target_ms_per_token: float, draft_ms_per_token: float
+        cls,
+        verify_costs: list[tuple[int, float]],
+        target_ms_per_token: float,
+        draft_ms_per_token: float,
+        prior: tuple[float, float] = (3.0, 2.0),
     ) -> RunningEstimates:
-        """Starting from the services' warm-up timings (0 = not measured)."""
+        """Starting from the services' warm-up timings (0 = not measured) and α's `prior`
+        (accepted, rejected), as `AcceptanceMemory.prior` gives it."""
         return cls(
             draft_ms_per_token=draft_ms_per_token or None,
             draft_step_ms=draft_ms_per_token or None,
             target_ms_per_token=target_ms_per_token or None,
             verify_costs=sorted(verify_costs),
             target_one_row_ms=target_ms_per_token or None,
+            accepted=prior[0],
+            rejected=prior[1],
         )
 
     def load_at(self, positions: int) -> float:

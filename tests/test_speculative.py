@@ -2,27 +2,41 @@
 
 from __future__ import annotations
 
+import gc
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from specwire.draft_service.ngram import NgramDrafter, NgramSession, ngram_proposal
 from specwire.orchestrator.speculative import (
+    _MEMORIES,
     SessionSync,
     accept_greedy,
+    acceptance_memory,
     max_sampled_gamma,
     ngram_settings,
     one_hot_probs,
 )
-from specwire.orchestrator.speedup import RunningEstimates, best_gamma, forward_cost_at, plan_round, time_per_token_ms
+from specwire.orchestrator.speedup import (
+    AcceptanceMemory,
+    RunningEstimates,
+    alpha_estimate,
+    best_gamma,
+    forward_cost_at,
+    plan_round,
+    time_per_token_ms,
+)
 from transformers import GenerationConfig
 
 from specwire.acceptance import accept_draft, accept_drafts, residual_distribution
 from specwire.engine import CausalLM, Engine
 from specwire.engine.batch_costs import BatchCosts
 from specwire.errors import InvalidArgument
+from specwire.processing import ProcessingConfig
 from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
 from tests.goodness_of_fit import chi_square_pvalue
 
@@ -311,6 +325,52 @@ def test_a_draft_message_with_a_fixed_cost_does_not_talk_the_plan_into_a_short_g
     assert per_token_only < true_best  # the old estimate's bias, which this guards against
     assert estimates.draft_fixed_ms == pytest.approx(fixed) and estimates.draft_ms_per_token == pytest.approx(step)
     assert estimates.plan(16, 8, draft_trip=True).gamma == true_best
+
+
+def test_one_early_rejection_turns_a_good_pair_off_only_without_its_memory() -> None:
+    """A generation's first round is a few trials. On Gemma-3-270M's costs (its served curve,
+    roughly, and its int4 draft), one rejection from the fixed prior (3 of 5) puts α under the
+    break-even and the next rounds target-only; from what the pair accepted before (α 5/7), the
+    plan still speculates. Oracle: `plan_round` on the same costs."""
+    curve = [(1, 8.2), (2, 9.0), (3, 9.3), (4, 9.4), (5, 9.9), (6, 10.1), (8, 10.8), (12, 16.9)]
+
+    def after_one_rejection(prior: tuple[float, float]) -> RunningEstimates:
+        estimates = RunningEstimates.seeded(curve, target_ms_per_token=8.2, draft_ms_per_token=1.1, prior=prior)
+        estimates.record_acceptance(drafted=4, accepted=0)
+        estimates.record_draft(compute_ms=1.3 + 4 * 1.1, tokens=4, trip_ms=1.1)
+        estimates.record_verify(compute_ms=9.9, positions=5, trip_ms=1.1)
+        return estimates
+
+    memory = AcceptanceMemory()
+    assert memory.prior() == (3.0, 2.0)
+    fresh = after_one_rejection(memory.prior())
+    assert fresh.alpha < 0.5 and not fresh.plan(16, 8, draft_trip=True).speculate
+    for round_index in range(300):  # 3 or 2 of 4 drafts accepted: α = 5 / 7
+        memory.record(drafted=4, accepted=3 if round_index % 2 else 2)
+    accepted, rejected = memory.prior()
+    assert accepted + rejected == pytest.approx(20.0) and alpha_estimate(accepted, rejected) == pytest.approx(5 / 7, abs=1e-3)
+    remembered = after_one_rejection(memory.prior())
+    assert remembered.alpha > 0.67 and remembered.plan(16, 8, draft_trip=True).speculate
+
+
+def test_a_draft_handle_remembers_acceptance_per_target_and_rule_for_as_long_as_it_lives() -> None:
+    class Handle:  # an orchestrator's draft `ModelHandle`, as far as the memory sees it
+        pass
+
+    def context(draft: Handle, target: str, sample: bool, temperature: float = 1.0) -> Any:
+        return SimpleNamespace(
+            draft=draft, target=SimpleNamespace(info=SimpleNamespace(model_name=target)),
+            params=SimpleNamespace(do_sample=sample, processing=ProcessingConfig(temperature=temperature)),
+        )
+
+    draft = Handle()
+    greedy = acceptance_memory(context(draft, "t", False))
+    assert acceptance_memory(context(draft, "t", False)) is greedy
+    others = [context(draft, "t", True), context(draft, "t", True, 0.7), context(draft, "u", False), context(Handle(), "t", False)]
+    assert all(acceptance_memory(other) is not greedy for other in others)
+    del draft, others
+    gc.collect()  # the handle is gone, and its memories with it
+    assert not any(memory is greedy for memories in _MEMORIES.values() for memory in memories.values())
 
 
 def test_batch_costs_keep_each_shape_met_and_estimate_the_others_along_the_one_row_curve() -> None:
