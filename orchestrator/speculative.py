@@ -199,8 +199,7 @@ class Speculation:
                 spent = ctx.stats.target.since(before)
                 # The batch the prefill rode in: the first round's guess at the load it will meet
                 # (planned as one row, eight Gemma-3-270M streams opened at γ 7, 64 positions a forward).
-                timing = opened.timing
-                self.estimates.record_load(timing.batch_rows, timing.batch_costs, timing.one_row_costs)
+                self._record_load(opened)
                 self.estimates.record_target_trip(spent.client_ms - spent.compute_ms)
             gamma = self._choose_gamma(remaining)
             if gamma is None:
@@ -294,7 +293,7 @@ class Speculation:
         spent = ctx.stats.target.since(before)
         # The plan prices target-only rounds at full length: the short first ones (unfused steps,
         # a catch-up append) would overstate a token's cost.
-        self.estimates.record_load(result.timing.batch_rows, result.timing.batch_costs, result.timing.one_row_costs)
+        self._record_load(result)
         if count >= ctx.max_tokens_per_round or self.estimates.target_ms_per_token is None:
             self.estimates.record_target_only(spent.compute_ms, len(decided), spent.client_ms - spent.compute_ms)
         else:
@@ -419,7 +418,7 @@ class Speculation:
             )
         )
         spent = ctx.stats.target.since(before)
-        self.estimates.record_load(verified.timing.batch_rows, verified.timing.batch_costs, verified.timing.one_row_costs)
+        self._record_load(verified)
         if ctx.stats.target.calls > 2:  # the first step carries the prompt's prefill
             self.estimates.record_verify(spent.compute_ms, len(drafts) + 1, spent.client_ms - spent.compute_ms)
         return verified
@@ -436,6 +435,11 @@ class Speculation:
         if not self.ctx.params.do_sample:
             return processing
         return replace(processing, top_k=min(processing.top_k or DRAFT_TOP_K, DRAFT_TOP_K))
+
+    def _record_load(self, result: StepResult) -> None:
+        """The batch a target reply rode in (`RunningEstimates.record_load`)."""
+        timing = result.timing
+        self.estimates.record_load(timing.batch_rows, timing.batch_costs, timing.one_row_costs)
 
     def _discard_pending(self) -> None:
         """Drop a pipelined proposal: the draft keeps the history, not the proposal."""

@@ -27,6 +27,8 @@ WILSON_Z = 1.645  # `RunningEstimates.alpha_upper`: a one-sided 95% bound
 # The weight a generation's first α takes from earlier ones (`AcceptanceMemory.prior`): about
 # 8 rounds' trials at α 0.7, so one round neither turns speculation off nor locks it on.
 PRIOR_TRIALS = 20.0
+# α's prior where nothing was measured yet: 3 accepted, 2 rejected (0.6, five trials).
+FIRST_PRIOR = (3.0, 2.0)
 # Milliseconds to verify γ drafts (one target forward over γ + 1 positions), by γ.
 VerifyCost = Callable[[int], float]
 
@@ -130,14 +132,12 @@ class AcceptanceMemory:
     decay: float = 0.99  # ~100 rounds: several generations
 
     def record(self, drafted: int, accepted: int) -> None:
-        """One verified round, as `RunningEstimates.record_acceptance` counts it."""
-        self.accepted = self.decay * self.accepted + accepted
-        self.rejected = self.decay * self.rejected + (1.0 if accepted < drafted else 0.0)
+        self.accepted, self.rejected = decayed_counts(self.accepted, self.rejected, self.decay, drafted, accepted)
 
     def prior(self, trials: float = PRIOR_TRIALS) -> tuple[float, float]:
-        """(accepted, rejected) worth `trials` trials at the remembered α; 3 and 2 before any round."""
+        """(accepted, rejected) worth `trials` trials at the remembered α; FIRST_PRIOR before any round."""
         if self.accepted + self.rejected <= 0:
-            return 3.0, 2.0
+            return FIRST_PRIOR
         alpha = alpha_estimate(self.accepted, self.rejected)
         return alpha * trials, (1.0 - alpha) * trials
 
@@ -182,8 +182,8 @@ class RunningEstimates:
     load: list[tuple[int, float]] = field(default_factory=list)  # (positions, batch ms ÷ one row's); [] = 1
     batch_rows: int = 0  # the rows of the last batch
     target_one_row_ms: float | None = None  # a target-only token's ms, ÷ the load it met
-    accepted: float = 3.0
-    rejected: float = 2.0
+    accepted: float = FIRST_PRIOR[0]
+    rejected: float = FIRST_PRIOR[1]
     # α's memory, ~1 / (1 − decay) rounds. At 0.9 (~30 trials) its noise alone took Gemma-3-270M's
     # α 0.73 under the 0.55 where target-only rounds win, and speculation off (auto γ 0.92× greedy,
     # 1.02× at 0.95, γ 4 fixed 1.12–1.15×).
@@ -195,7 +195,7 @@ class RunningEstimates:
         verify_costs: list[tuple[int, float]],
         target_ms_per_token: float,
         draft_ms_per_token: float,
-        prior: tuple[float, float] = (3.0, 2.0),
+        prior: tuple[float, float] = FIRST_PRIOR,
     ) -> RunningEstimates:
         """Starting from the services' warm-up timings (0 = not measured) and α's `prior`
         (accepted, rejected), as `AcceptanceMemory.prior` gives it."""
@@ -258,9 +258,7 @@ class RunningEstimates:
             self.batch_rows, self.load = rows, factors or self.load
 
     def record_acceptance(self, drafted: int, accepted: int) -> None:
-        """One verified round: `accepted` successes and, when short of `drafted`, one rejection."""
-        self.accepted = self.decay * self.accepted + accepted
-        self.rejected = self.decay * self.rejected + (1.0 if accepted < drafted else 0.0)
+        self.accepted, self.rejected = decayed_counts(self.accepted, self.rejected, self.decay, drafted, accepted)
 
     def record_draft(self, compute_ms: float, tokens: int, trip_ms: float) -> None:
         if tokens > 0:
@@ -315,6 +313,14 @@ class RunningEstimates:
             "target_trip_ms": self.target_trip_ms,
         }
         return {name: value for name, value in figures.items() if value is not None}
+
+
+def decayed_counts(
+    accepted: float, rejected: float, decay: float, drafted: int, accepted_now: int
+) -> tuple[float, float]:
+    """One verified round added to decayed counts: `accepted_now` successes and, when short of
+    `drafted`, one rejection."""
+    return decay * accepted + accepted_now, decay * rejected + (1.0 if accepted_now < drafted else 0.0)
 
 
 def alpha_estimate(accepted: float, rejected: float) -> float:
