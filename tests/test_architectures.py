@@ -336,7 +336,7 @@ def _check_row_attention(decode: bool) -> None:
 def test_the_row_attention_kernel_equals_sdpa_over_each_rows_keys(heads: int, kv_heads: int, dim: int) -> None:
     """`row_attention.cpp` against SDPA on each row's own slots and mask (grouped heads, head sizes
     with tails, tree-like masks with holes, padding tokens): the same numbers to float32 rounding,
-    zeros for padding."""
+    zeros for padding; given the cache's rows, the bits it gives their copies."""
     from specwire.engine import kernels
 
     if not kernels.available("row_attention"):
@@ -348,7 +348,14 @@ def test_the_row_attention_kernel_equals_sdpa_over_each_rows_keys(heads: int, kv
     keys, values = torch.randn(rows, kv_heads, width, dim), torch.randn(rows, kv_heads, width, dim)
     mask = torch.rand(rows, 1, span, width) < 0.7
     mask[:, :, :, 0] = True  # every token sees a slot
-    out = kernels.load("row_attention").row_attention(query, keys, values, mask, extents, 0.1)
+    kernel = kernels.load("row_attention").row_attention
+    out = kernel(query, keys, values, mask, extents, 0.1, None)
+    cache_rows = torch.tensor([3, 0, 6, 1, 4])  # where each batch row sits in a 7-row cache
+    key_store, value_store = torch.randn(7, kv_heads, width, dim), torch.randn(7, kv_heads, width, dim)
+    key_store[cache_rows], value_store[cache_rows] = keys, values
+    assert torch.equal(kernel(query, key_store, value_store, mask, extents, 0.1, cache_rows), out)
+    with pytest.raises(RuntimeError, match="rows"):
+        kernel(query, key_store, value_store, mask, extents, 0.1, torch.tensor([3, 0, 7, 1, 4]))
     for b, (tokens, slots) in enumerate(extents.tolist()):
         expected = torch.nn.functional.scaled_dot_product_attention(
             query[b : b + 1, :, :tokens], keys[b : b + 1, :, :slots], values[b : b + 1, :, :slots],

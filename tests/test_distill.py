@@ -126,3 +126,31 @@ def test_pair_keeps_a_first_draft_built_before_self_text_as_its_base(tmp_path: P
     (tmp_path / "draft" / "distill_report.json").write_text(json.dumps({"init": str(tmp_path / "draft-base")}))
     _keep_first_draft(tmp_path)
     assert (tmp_path / "draft" / "distill_report.json").exists()
+
+
+def test_a_bfloat16_teacher_cache_is_close_to_the_float32_one_and_a_cache_keeps_its_dtype(
+    llama_target_dir: Path, tmp_path: Path
+) -> None:
+    """The same windows through the teacher in bfloat16 and float32: the same shapes and nearly the
+    same log-probabilities; `auto` extends a cache in the dtype it has, and another dtype is refused,
+    naming it."""
+    from specwire import teacher_cache
+
+    text = tmp_path / "text.py"
+    text.write_text("".join(f"def g{i}(y):\n    return y - {i} * {i % 5}\n\n" for i in range(200)))
+    caches = {}
+    for dtype in ("float32", "bfloat16"):
+        cache, _ = teacher_cache.build(llama_target_dir, tmp_path / dtype, [text], train_windows=16, held_out_windows=4,
+                                       seq_len=32, top_k=8, dtype=dtype)
+        assert cache.spec.dtype == dtype
+        caches[dtype] = cache.load("train")
+    full, half = caches["float32"], caches["bfloat16"]
+    assert torch.equal(full["tokens"], half["tokens"])
+    assert (full["lse"] - half["lse"]).abs().max() < 0.05
+    assert (full["topk_ids"][..., 0] == half["topk_ids"][..., 0]).float().mean() > 0.9
+    again, _ = teacher_cache.build(llama_target_dir, tmp_path / "float32", [text], train_windows=32, held_out_windows=4,
+                                   seq_len=32, top_k=8, dtype="auto")
+    assert again.spec.dtype == "float32" and len(again.shards("train")) == 2
+    with pytest.raises(SystemExit, match="dtype"):
+        teacher_cache.build(llama_target_dir, tmp_path / "float32", [text], train_windows=16, held_out_windows=4,
+                            seq_len=32, top_k=8, dtype="bfloat16")

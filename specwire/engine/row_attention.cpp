@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -118,8 +119,11 @@ void attend(const float* const* q, const float* k, int64_t k_stride, const float
   mix<N>(scores, total, v, v_stride, allowed, mask_stride, slots, D, out);
 }
 
+// rows (optional, [B] long): keys/values hold the cache's rows and batch row b reads rows[b], so
+// gathered rows are read in place rather than copied.
 torch::Tensor row_attention(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
-                            const torch::Tensor& mask, const torch::Tensor& extents, double scale) {
+                            const torch::Tensor& mask, const torch::Tensor& extents, double scale,
+                            const std::optional<torch::Tensor>& rows) {
   TORCH_CHECK(query.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && mask.dim() == 4, "4-d inputs");
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && keys.scalar_type() == torch::kFloat32 &&
               values.scalar_type() == torch::kFloat32, "float32 query, keys and values");
@@ -128,8 +132,20 @@ torch::Tensor row_attention(const torch::Tensor& query, const torch::Tensor& key
   TORCH_CHECK(extents.scalar_type() == torch::kLong && extents.is_contiguous() && extents.dim() == 2, "extents: [B, 2] long");
   const int64_t B = query.size(0), H = query.size(1), T = query.size(2), D = query.size(3);
   const int64_t kv_heads = keys.size(1), L = keys.size(2);
-  TORCH_CHECK(H % kv_heads == 0 && keys.size(0) == B && values.sizes() == keys.sizes() && keys.size(3) == D,
+  TORCH_CHECK(H % kv_heads == 0 && values.sizes() == keys.sizes() && keys.size(3) == D,
               "keys/values: [B, Hkv, L, D] with Hkv dividing the query heads");
+  std::vector<int64_t> row_of(B);
+  for (int64_t b = 0; b < B; ++b) row_of[b] = b;
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->scalar_type() == torch::kLong && rows->dim() == 1 && rows->size(0) == B, "rows: [B] long");
+    const auto chosen = rows->contiguous();
+    for (int64_t b = 0; b < B; ++b) {
+      row_of[b] = chosen.data_ptr<int64_t>()[b];
+      TORCH_CHECK(row_of[b] >= 0 && row_of[b] < keys.size(0), "rows: an index past the keys' rows");
+    }
+  } else {
+    TORCH_CHECK(keys.size(0) == B, "keys/values: [B, Hkv, L, D]");
+  }
   TORCH_CHECK(mask.size(0) == B && mask.size(2) == T && mask.size(3) == L && extents.size(0) == B, "mask: [B, 1, T, L]");
   const int64_t group = H / kv_heads;
   // The query's layout (often a transposed view), as the op's fake implementation promises the
@@ -151,8 +167,8 @@ torch::Tensor row_attention(const torch::Tensor& query, const torch::Tensor& key
       const int64_t b = task / (kv_heads * T), kv = task / T % kv_heads, t = task % T;
       if (t >= ext[2 * b]) continue;  // padding: zeros
       const int64_t slots = std::min(ext[2 * b + 1], L);
-      const float* kb = k + b * ks[0] + kv * ks[1];
-      const float* vb = v + b * vs[0] + kv * vs[1];
+      const float* kb = k + row_of[b] * ks[0] + kv * ks[1];
+      const float* vb = v + row_of[b] * vs[0] + kv * vs[1];
       const bool* allowed = m + b * ms[0] + t * ms[2];
       for (int64_t first = kv * group; first < (kv + 1) * group; first += HEADS) {
         const float* heads_q[HEADS];
