@@ -220,11 +220,11 @@ def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         for t in range(T):
             having = [b for b, n in enumerate(tokens) if n > t]
             # Every row: a view of the keys; some: a copy of theirs.
-            rows = slice(None) if len(having) == B else torch.tensor(having, dtype=torch.long, device=query.device)
+            chosen = slice(None) if len(having) == B else torch.tensor(having, dtype=torch.long, device=query.device)
 
-            def token(t: int = t, rows: slice | torch.Tensor = rows) -> None:
-                out[rows, :, t] = _sdpa_one_thread(
-                    query[rows, :, t : t + 1], keys[rows], values[rows], mask[rows, :, t : t + 1], scale, gqa
+            def token(t: int = t, chosen: slice | torch.Tensor = chosen) -> None:
+                out[chosen, :, t] = _sdpa_one_thread(
+                    query[chosen, :, t : t + 1], keys[chosen], values[chosen], mask[chosen, :, t : t + 1], scale, gqa
                 )[:, :, 0]
 
             calls.append(token)
