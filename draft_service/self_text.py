@@ -105,7 +105,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--lines", type=int, default=4, help="source lines per prompt")
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens per continuation, at most")
     parser.add_argument("--quantize", default="auto", help="the target's weights, as it is served (default auto)")
-    # Gemma-3-270M, mixed, 2 threads: 191 tokens/s at 8 streams, 327 at 32, ~290 at 32 and 64 alike.
+    # Gemma-3-270M, mixed, 2 threads, 64 prompts: 191 tokens/s at 8 streams, 327 at 32; 128 prompts: ~290 at 32 and 64.
     parser.add_argument("--streams", type=int, default=32, help="continuations batched together")
     parser.add_argument("--max-len", type=int, default=512, help="cache tokens per stream")
     parser.add_argument("--compile", default="off", choices=["auto", "on", "off"],

@@ -115,17 +115,16 @@ def _attend(
     key_store[rows, :, batch.slots] = key.transpose(1, 2)  # [B, T, Hkv, D] at (row, :, slot)
     value_store[rows, :, batch.slots] = value.transpose(1, 2)
     length = batch.key_mask.shape[-1]
-    if batch.extents is not None and softcap is None and scores_out is None and batch.contiguous_from is None:
-        # Gathered rows: the kernel reads each row's keys where the cache holds them (a copy of
-        # every row's keys per layer was ~18% of a 32-row Gemma-3 decode step).
-        mask = mask if mask is not None else batch.key_mask.unsqueeze(1)
-        out = torch.ops.specwire.row_attention(query, key_store[:, :, :length], value_store[:, :, :length], mask,
-                                               batch.extents, scaling, gqa, batch.rows)
-        return out.transpose(1, 2).flatten(2)
+    fused = batch.extents is not None and softcap is None
+    in_place: torch.Tensor | None = None  # the cache's rows `row_attention` reads, where it reads them there
     if batch.contiguous_from is not None:
         first = batch.contiguous_from
         keys = key_store[first : first + len(batch.rows), :, :length]
         values = value_store[first : first + len(batch.rows), :, :length]
+    elif fused and scores_out is None:
+        # Gathered rows, read where the cache holds them: a copy of every row's keys per layer
+        # was ~18% of a 32-row Gemma-3 decode step.
+        keys, values, in_place = key_store[:, :, :length], value_store[:, :, :length], batch.rows
     else:
         keys = key_store[:, :, :length].index_select(0, batch.rows)  # [B, Hkv, L, D]
         values = value_store[:, :, :length].index_select(0, batch.rows)
@@ -133,9 +132,9 @@ def _attend(
         mask = batch.key_mask.unsqueeze(1)  # [B, 1, T, L]
     if scores_out is not None:
         scores_out.append(_chosen_scores(query, keys, batch, scaling))
-    if batch.extents is not None and softcap is None:
+    if fused:
         mask = mask if mask is not None else batch.key_mask.unsqueeze(1)
-        out = torch.ops.specwire.row_attention(query, keys, values, mask, batch.extents, scaling, gqa)
+        out = torch.ops.specwire.row_attention(query, keys, values, mask, batch.extents, scaling, gqa, in_place)
     elif softcap is not None:  # no fused kernel takes a cap: q·kᵀ, tanh cap, mask, softmax, ·v
         groups = query.shape[1] // keys.shape[1]
         scores = attention_scores(query, keys, scaling)  # [B, Hq, T, L] float32
