@@ -19,6 +19,9 @@ in a freshly shuffled order, so drifting machine load spreads over all of them):
                                    (with target-only rounds when speculation is predicted slower)
                                    and pipelined drafting;
       `specwire_speculative_sequential` the draft model at a fixed γ, no pipelining, no fallback;
+      `specwire_speculative_tree`  the same, with the draft's TREE_ALTERNATIVES runners-up at each
+                                   position verified beside the chain as one token tree
+                                   (`draft_alternatives`; its α counts a runner-up taken as accepted);
       `specwire_speculative_ngram` speculative with the n-gram drafter (a second stack), defaults
                                    (the orchestrator drafts: one target message per round);
       `specwire_speculative_sampled` auto γ, sampling at `specwire_sample`'s warpers and seeds:
@@ -147,6 +150,7 @@ ROWS = [
     RowSpec("specwire_greedy", "specwire", "specwire greedy, target only, gRPC"),
     RowSpec("specwire_speculative", "specwire", "specwire speculative, draft model, auto γ, the stack's pipelining, gRPC"),
     RowSpec("specwire_speculative_sequential", "specwire", "specwire speculative, draft model, fixed γ, sequential"),
+    RowSpec("specwire_speculative_tree", "specwire", "specwire speculative, draft model, fixed γ, sequential, the draft's runners-up as a tree"),
     RowSpec("specwire_speculative_ngram", "specwire", "specwire speculative, n-gram drafter, auto γ, gRPC"),
     RowSpec("specwire_speculative_sampled", "specwire", "specwire speculative, draft model, auto γ, specwire_sample's warpers"),
     RowSpec("specwire_sample", "specwire_sampled", "specwire sampling at entropix's base warpers, seeded, gRPC"),
@@ -164,6 +168,8 @@ SAMPLED_GROUPS = ("specwire_sampled", "specwire_medusa_sampled")
 TWINS = {"specwire_speculative_sampled": "specwire_sample"}
 # Beam search rows: compared with `specwire_beam`, not with greedy transformers.
 BEAM_GROUP = "specwire_beam"
+# Runners-up per drafted position of `specwire_speculative_tree`.
+TREE_ALTERNATIVES = 2
 # Entropix's base warpers (the reference's defaults), for a like-for-like sampling row.
 BASE_WARPERS = {"temperature": 0.666, "top_p": 0.9, "top_k": 27}
 # How each specwire row calls `Generate` beyond strategy, prompt and length; "gamma" = `--gamma`,
@@ -173,6 +179,10 @@ SPECWIRE_PARAMS: dict[str, dict[str, Any]] = {
     "specwire_speculative": {"strategy": "speculative"},
     "specwire_speculative_sequential": {
         "strategy": "speculative", "num_speculative_tokens": "gamma", "speculative_pipeline": False
+    },
+    "specwire_speculative_tree": {
+        "strategy": "speculative", "num_speculative_tokens": "gamma", "speculative_pipeline": False,
+        "draft_alternatives": TREE_ALTERNATIVES,
     },
     "specwire_speculative_ngram": {"strategy": "speculative"},
     "specwire_speculative_sampled": {"strategy": "speculative", **BASE_WARPERS},

@@ -7,7 +7,8 @@ a draft service loads it (a trimmed-vocabulary draft scores all ids, zero outsid
 - on held-out stdlib windows (each after a BOS, as a served prompt starts), and on the target's
   own greedy continuations of the bench prompts (what a speculative round drafts against):
   α = Σ_x min(p(x), q(x)) (Leviathan et al. 2023, Def. 3.1; the expected acceptance of one
-  sampled draft token), greedy agreement (argmax q = argmax p), the target's mass outside the
+  sampled draft token), greedy agreement (argmax q = argmax p), top-2 agreement (argmax p among
+  q's two best: what a second candidate per drafted position could catch), the target's mass outside the
   draft's ids, and KL(p‖q) on the draft's ids (p renormalised there; over all ids it is infinite
   for a trimmed draft). Exact, unlike the teacher cache's bounds (`specwire.sparse_distill`).
 """
@@ -26,22 +27,27 @@ from specwire.engine import CausalLM, Engine, EngineLimits
 
 
 def pair_sums(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
-    """Per-position figures summed over positions: [α, agreement, mass outside, KL on the draft's ids].
+    """Per-position figures summed over positions: [α, agreement, mass outside, KL on the draft's
+    ids, top-2 agreement].
     target_logits, draft_logits: [N, V] (−inf where the draft has no id)."""
     p, q = target_logits.float().softmax(-1), draft_logits.float().softmax(-1)  # [N, V]
     inside = torch.isfinite(draft_logits)  # [N, V]
     alpha = torch.minimum(p, q).sum(-1)
-    agree = (p.argmax(-1) == q.argmax(-1)).float()
+    best = p.argmax(-1, keepdim=True)  # [N, 1]
+    top2 = q.topk(2, dim=-1).indices  # [N, 2]
+    agree = (top2[:, 0:1] == best).float().squeeze(-1)
+    agree_top2 = (top2 == best).any(-1).float()
     p_in = torch.where(inside, p, 0.0)
     mass_in = p_in.sum(-1, keepdim=True)  # [N, 1]
     renormed = p_in / mass_in
     kl = torch.where(inside & (renormed > 0), renormed * (renormed.log() - q.log()), 0.0).sum(-1)
-    return torch.stack([alpha.sum(), agree.sum(), (1 - mass_in).sum(), kl.sum()])
+    return torch.stack([alpha.sum(), agree.sum(), (1 - mass_in).sum(), kl.sum(), agree_top2.sum()])
 
 
 def figures(sums: torch.Tensor, count: int) -> dict[str, float]:
-    alpha, agree, outside, kl = (sums / max(1, count)).tolist()
-    return {"alpha": alpha, "greedy_agreement": agree, "target_mass_outside_draft": outside, "kl_on_draft_ids": kl}
+    alpha, agree, outside, kl, agree_top2 = (sums / max(1, count)).tolist()
+    return {"alpha": alpha, "greedy_agreement": agree, "top2_agreement": agree_top2,
+            "target_mass_outside_draft": outside, "kl_on_draft_ids": kl}
 
 
 def measure(target: str, draft: str, modes: list[str], windows: int, window: int, prompts: list[str], new_tokens: int) -> dict[str, Any]:
@@ -57,11 +63,11 @@ def measure(target: str, draft: str, modes: list[str], windows: int, window: int
                               "prompts": len(prompts), "new_tokens": new_tokens, "modes": {}}
     for mode in modes:
         engine = Engine(CausalLM.load(target, device="cpu", dtype="float32", quantization=mode), "target", limits)
-        held, held_count = torch.zeros(4), 0
+        held, held_count = torch.zeros(5), 0
         for ids in texts:
             held += pair_sums(window_logits(engine, ids), window_logits(drafter, ids))
             held_count += len(ids) - 1
-        cont, cont_count = torch.zeros(4), 0
+        cont, cont_count = torch.zeros(5), 0
         for ids in prompt_ids:
             sequence = ids + greedy(engine, ids, new_tokens)
             scored = slice(len(ids) - 1, None)  # the positions whose next token is the continuation's
@@ -92,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     for mode, parts in report["modes"].items():
         for part, values in parts.items():
             print(f"target {mode}, {part}: α {values['alpha']:.3f}, greedy agreement {values['greedy_agreement']:.3f}, "
+                  f"top-2 agreement {values['top2_agreement']:.3f}, "
                   f"target mass outside the draft's ids {values['target_mass_outside_draft']:.3f}, "
                   f"KL on the draft's ids {values['kl_on_draft_ids']:.3f}")
     return 0

@@ -44,7 +44,7 @@ HEADLINE_COLUMNS = [column for column in COLUMNS if column[1] in
 # The rows a reader compares first: transformers' own decoding, and each of specwire's strategies once.
 HEADLINE_ROWS = [
     "hf_target", "hf_prompt_lookup", "llamacpp", "specwire_greedy", "specwire_speculative", "specwire_speculative_sequential",
-    "specwire_speculative_ngram", "specwire_sample", "specwire_entropix", "specwire_medusa",
+    "specwire_speculative_tree", "specwire_speculative_ngram", "specwire_sample", "specwire_entropix", "specwire_medusa",
 ]
 CONCURRENCY_COLUMNS: list[tuple[str, str, int]] = [
     ("streams", "streams", 0),

@@ -159,6 +159,8 @@ class NgramSession:
         self._check_scoring(request.scoring)
         if not 0 <= request.propose <= MAX_PROPOSE:
             raise InvalidArgument("propose", f"must be in [0, {MAX_PROPOSE}], got {request.propose}")
+        if request.propose_alternatives:
+            raise InvalidArgument("propose_alternatives", "the n-gram drafter proposes one id per position")
         if request.keep_tokens is not None:
             if not 1 <= request.keep_tokens <= len(self.tokens):
                 raise InvalidArgument("keep_tokens", f"must be in [1, {len(self.tokens)}], got {request.keep_tokens}")

@@ -41,14 +41,17 @@ DEFAULT_CHOICES: list[list[int]] = [
 ]  # fmt: skip
 
 
-def accept_tree_greedy(node_tokens: torch.Tensor, parents: list[int], target_argmax: torch.Tensor) -> tuple[list[int], int]:
+def accept_tree_greedy(
+    node_tokens: torch.Tensor, parents: list[int], target_argmax: torch.Tensor, start: int = 0
+) -> tuple[list[int], int]:
     """The longest path whose every token equals the target's argmax at its parent.
 
     node_tokens: [n]; target_argmax: [n] (the argmax of the distribution after each node).
+    `start`: the node the rule starts at (its ancestors are decided tokens, kept as they are).
     Returns (accepted path of node indices from the root, next token = argmax at its end).
     """
     children = tree_children(parents)
-    node = 0
+    node = start
     while True:
         wanted = int(target_argmax[node])
         match = next((c for c in children[node] if int(node_tokens[c]) == wanted), None)

@@ -32,6 +32,7 @@ MEDUSA_ACCEPTANCE_VALUES = {
 CD_FORM_VALUES = {name: orchestrator_pb2.ContrastiveForm.Value(f"CONTRASTIVE_FORM_{name.upper()}") for name in ("obrien", "li")}
 MAX_BEAMS = 32
 MAX_SPECULATIVE_TOKENS = 64
+MAX_DRAFT_ALTERNATIVES = 8  # the draft service's `Step.propose_alternatives` limit
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per stop string
 # |length_penalty| bound: length^penalty stays far inside float64 for any context length.
@@ -69,6 +70,7 @@ class GenerationParams:
     num_speculative_tokens: int | None = None  # None = auto: chosen each round by the latency model
     speculative_pipeline: bool = True
     draft_confidence_threshold: float = 0.0
+    draft_alternatives: int = 0  # greedy speculative rounds verify the draft's runners-up too
     cd_form: str = "obrien"
     cd_alpha: float = 0.1
     cd_beta: float = 0.5
@@ -207,6 +209,9 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     threshold = _finite(_opt(request, "draft_confidence_threshold", 0.0), "draft_confidence_threshold")
     if not 0 <= threshold < 1:
         raise InvalidArgument("draft_confidence_threshold", f"must be in [0, 1), got {threshold}")
+    alternatives = int(_opt(request, "draft_alternatives", 0))
+    if not 0 <= alternatives <= MAX_DRAFT_ALTERNATIVES:
+        raise InvalidArgument("draft_alternatives", f"must be in [0, {MAX_DRAFT_ALTERNATIVES}], got {alternatives}")
 
     cd_form = enum_name(request, "cd_form", CD_FORM_VALUES)
     cd_alpha = _finite(_opt(request, "cd_alpha", 0.1), "cd_alpha")
@@ -269,6 +274,7 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
             request.speculative_pipeline if request.HasField("speculative_pipeline") else limits.speculative_pipeline
         ),
         draft_confidence_threshold=threshold,
+        draft_alternatives=alternatives,
         cd_form=cd_form,
         cd_alpha=cd_alpha,
         cd_beta=cd_beta,

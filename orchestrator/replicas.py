@@ -455,7 +455,7 @@ class FailoverSession:
 
     def _follow(self, request: StepRequest, result: StepResult) -> None:
         """Apply `request` and its reply to the record, as the service applied them."""
-        if request.tree_parents:
+        if request.tree_parents or self._opening is None:
             self._opening = None  # tree tokens are not a history: such a session is not rebuilt
             return
         rows = self._tokens

@@ -23,12 +23,13 @@ import asyncio
 import time
 import weakref
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 from specwire.draft_service.ngram import ngram_proposal
 from specwire.orchestrator.context import DecodeContext, Round
+from specwire.orchestrator.medusa import accept_tree_greedy
 from specwire.orchestrator.params import MAX_SPECULATIVE_TOKENS
 from specwire.orchestrator.speedup import AcceptanceMemory, RunningEstimates
 
@@ -87,10 +88,12 @@ class Proposal:
 
     tokens: list[int]
     scores: Scores | None = None  # PROBS, a row per token
+    alternatives: list[list[int]] = field(default_factory=list)  # greedy: each token's runners-up
 
     def rest(self) -> Proposal:
         """The proposal after its first token."""
-        return Proposal(self.tokens[1:], self.scores.rows_from(1) if self.scores is not None else None)
+        return Proposal(self.tokens[1:], self.scores.rows_from(1) if self.scores is not None else None,
+                        self.alternatives[1:])
 
     def probs(self, vocab_size: int) -> torch.Tensor:
         """q dense: [len(tokens), V] float32."""
@@ -105,6 +108,36 @@ class Proposal:
         if self.scores.dense is not None:
             return sparse_draft_probs(self.tokens, self.scores.dense.float())
         return self.scores
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A greedy round's token tree (`Step.tree_parents`): a trunk of the tokens the target lacks,
+    ending at the last decided token (the root), then the drafted chain below it, then each
+    draft's runners-up as siblings of that draft."""
+
+    tokens: list[int]
+    parents: list[int]
+    root: int  # the trunk's last node
+    chain_end: int  # nodes root + 1 … chain_end − 1 are the drafted chain
+
+    @classmethod
+    def build(cls, trunk: list[int], proposal: Proposal) -> DraftTree:
+        root, drafts = len(trunk) - 1, proposal.tokens
+        parents = list(range(-1, root))  # the trunk: each node the child of the one before
+        parents += [root + depth for depth in range(len(drafts))]  # the chain
+        tokens = trunk + drafts
+        for depth, others in enumerate(proposal.alternatives[: len(drafts)]):
+            tokens += others
+            parents += [root + depth] * len(others)  # beside the chain's node at this depth
+        return cls(tokens, parents, root, root + 1 + len(drafts))
+
+    def decide(self, target_argmax: torch.Tensor) -> tuple[list[int], int, int]:
+        """The accepted path (node indices from the trunk's first), how many chain drafts it
+        holds, and the next token: the greedy rule from the root (`accept_tree_greedy`)."""
+        path, next_token = accept_tree_greedy(torch.tensor(self.tokens), self.parents, target_argmax, start=self.root)
+        chained = sum(1 for node in path[self.root + 1 :] if node < self.chain_end)
+        return path, chained, next_token
 
 
 def sparse_draft_probs(tokens: list[int], probs: torch.Tensor | None) -> Scores:
@@ -131,7 +164,7 @@ _MEMORIES: weakref.WeakKeyDictionary[object, dict[object, AcceptanceMemory]] = w
 def acceptance_memory(ctx: DecodeContext) -> AcceptanceMemory:
     """The memory of this generation's pair and rule (`AcceptanceMemory`)."""
     assert ctx.draft is not None
-    key = (ctx.target.info.model_name, ctx.params.do_sample, ctx.params.processing)
+    key = (ctx.target.info.model_name, ctx.params.do_sample, ctx.params.processing, ctx.params.draft_alternatives)
     return _MEMORIES.setdefault(ctx.draft, {}).setdefault(key, AcceptanceMemory())
 
 
@@ -183,6 +216,11 @@ class Speculation:
             ctx.target.info.forward_costs, ctx.target.info.decode_ms_per_token, draft_ms, self.memory.prior()
         )
         self.pending: Proposal | None = None  # proposed during the previous verification
+        # Greedy rounds with a draft model may verify its runners-up too, as a token tree; the
+        # target's next step then keeps the tree's accepted path (`tree_keep`).
+        self.alternatives = ctx.params.draft_alternatives if self.draft is not None and not ctx.params.do_sample else 0
+        self.estimates.nodes_per_draft = 1 + self.alternatives
+        self.tree_keep: list[int] = []
         self.off_left = 0  # target-only rounds to run before probing speculation again
         self.off_chunk = 1  # the last target-only round's k
         self.off_rows = 0  # the batch's rows when the target-only rounds began
@@ -257,7 +295,7 @@ class Speculation:
     def _ahead_gamma(self, drafted: int, remaining: int) -> int:
         """γ of the next round, proposed now on the guess that all of this one is accepted."""
         params = self.ctx.params
-        if self.draft is None or not params.speculative_pipeline:
+        if self.draft is None or not params.speculative_pipeline or self.alternatives:
             return 0
         cap = self._gamma_cap(remaining - drafted - 1, len(self.history) + drafted + 1)
         if params.num_speculative_tokens is not None or cap == 0:
@@ -279,6 +317,7 @@ class Speculation:
         before = replace(ctx.stats.target)
         result = await self.target.step(
             StepRequest(
+                tree_keep=self._take_tree_keep(),
                 keep_tokens=keep,
                 append_ids=append,
                 propose=count,
@@ -317,13 +356,28 @@ class Speculation:
             # round would have, and the drafter looks again after them.
             return await self._target_only(remaining, current, most=gamma + 1)
         ahead_gamma = self._ahead_gamma(len(drafts), remaining)
-        if ahead_gamma > 0:
+        tree: DraftTree | None = None
+        ahead: Proposal | None = None
+        if self._tree_fits(proposal):
+            verified, tree = await self._verify_tree(proposal)
+        elif ahead_gamma > 0:
             verified, ahead = await asyncio.gather(self._verify(proposal), self._propose_ahead(drafts, ahead_gamma + 1))
         else:
             verified, ahead = await self._verify(proposal), None
-        accepted_len, next_token = _decide(ctx, proposal, verified)
         base = len(self.history)
-        self.target_sync = SessionSync(base + len(drafts), base + accepted_len)
+        if tree is None:
+            accepted_len, next_token = _decide(ctx, proposal, verified)
+            kept, chained = drafts[:accepted_len], accepted_len
+            self.target_sync = SessionSync(base + len(drafts), base + accepted_len)
+        else:
+            assert verified.scores is not None and verified.scores.argmax_ids is not None
+            path, chained, next_token = tree.decide(verified.scores.argmax_ids)
+            kept = [tree.tokens[node] for node in path[tree.root + 1 :]]
+            accepted_len = len(kept)
+            self.tree_keep = path  # the target holds the history and the accepted nodes after it
+            self.target_sync = SessionSync(base + accepted_len, base + accepted_len)
+            ctx.stats.tree_rounds += 1
+            ctx.stats.tree_nodes += len(tree.tokens) - tree.root
         if ahead is not None:
             # The draft holds history + drafts + [guess] + its next proposal.
             held = base + len(drafts) + len(ahead.tokens)
@@ -336,7 +390,8 @@ class Speculation:
                 self.draft_sync = SessionSync(held, base + accepted_len)
                 ctx.stats.pipeline_misses += 1
         elif self.draft is not None:
-            self.draft_sync = SessionSync(base + len(drafts), base + accepted_len)
+            # Past the chain's accepted drafts, a runner-up and the next token are new to the draft.
+            self.draft_sync = SessionSync(base + len(drafts), base + chained)
         # A round with nothing to draft (no n-gram match) yields one token: a failed trial.
         self.estimates.record_acceptance(max(1, len(drafts)), accepted_len)
         self.memory.record(max(1, len(drafts)), accepted_len)
@@ -347,7 +402,7 @@ class Speculation:
         current.set(
             gamma=gamma, drafted=len(drafts), accepted=accepted_len, speculation="on", pipelined=pipelined
         )
-        return drafts[:accepted_len] + [next_token]
+        return kept + [next_token]
 
     async def _propose(self, gamma: int) -> Proposal:
         """γ draft tokens for the history: n-gram lookup here, or one message to the draft model."""
@@ -385,18 +440,22 @@ class Speculation:
                 propose_greedy=not params.do_sample,
                 propose_seed=ctx.draw_seed() if params.do_sample else 0,
                 propose_min_confidence=params.draft_confidence_threshold,
+                propose_alternatives=self.alternatives,
                 trace=ctx.trace(),
             )
         )
         assert result.proposed_ids is not None
         tokens: list[int] = result.proposed_ids.reshape(-1).tolist()  # may be fewer than asked
+        alternatives: list[list[int]] = []
+        if result.alternative_ids is not None and tokens:
+            alternatives = result.alternative_ids.reshape(len(tokens), -1).tolist()
         spent = ctx.stats.draft.since(before)
         # The first step carries the prompt's prefill, and one after target-only rounds their
         # tokens: a prefill, not what a round costs (as a round's fixed cost, 30 caught-up tokens
         # took Gemma-3-270M's draft from 1.3 to 2.3 ms a round, and the next round target-only).
         if ctx.stats.draft.calls > 2 and len(append) <= 1:
             self.estimates.record_draft(spent.compute_ms, len(tokens), spent.client_ms - spent.compute_ms)
-        return Proposal(tokens, result.proposal_scores if params.do_sample else None)
+        return Proposal(tokens, result.proposal_scores if params.do_sample else None, alternatives)
 
     async def _verify(self, proposal: Proposal) -> StepResult:
         """The target scores the γ+1 positions the drafts decide, in one forward; sampled rounds
@@ -410,6 +469,7 @@ class Speculation:
             verify = Verification(proposal.wire_probs(), ctx.draw_seed())
         verified = await self.target.step(
             StepRequest(
+                tree_keep=self._take_tree_keep(),
                 keep_tokens=keep,
                 append_ids=append + drafts,
                 scoring=Scoring(kind, positions=len(drafts) + 1),
@@ -423,7 +483,42 @@ class Speculation:
             self.estimates.record_verify(spent.compute_ms, len(drafts) + 1, spent.client_ms - spent.compute_ms)
         return verified
 
+    def _tree_fits(self, proposal: Proposal) -> bool:
+        """The proposal has runners-up, and its tree fits the target's context (a tree takes a
+        cache slot a node until the next step keeps one path)."""
+        nodes = 1 + len(proposal.tokens) + sum(len(others) for others in proposal.alternatives)
+        return bool(proposal.alternatives) and len(self.history) + nodes <= self.ctx.target.info.max_context
+
+    async def _verify_tree(self, proposal: Proposal) -> tuple[StepResult, DraftTree]:
+        """The target scores every node of the round's tree (`DraftTree`) in one forward."""
+        ctx = self.ctx
+        keep, trunk = self.target_sync.catch_up(self.history)
+        if not trunk:  # the target holds the last decided token: it goes again, as the root
+            keep, trunk = len(self.history) - 1, self.history[-1:]
+        tree = DraftTree.build(trunk, proposal)
+        before = replace(ctx.stats.target)
+        verified = await self.target.step(
+            StepRequest(
+                tree_keep=self._take_tree_keep(),
+                keep_tokens=keep,
+                append_ids=tree.tokens,
+                tree_parents=tree.parents,
+                scoring=Scoring(ScoreKind.ARGMAX, positions=len(tree.tokens)),
+                trace=ctx.trace(),
+            )
+        )
+        spent = ctx.stats.target.since(before)
+        self._record_load(verified)
+        if ctx.stats.target.calls > 2:  # the first step carries the prompt's prefill
+            self.estimates.record_verify(spent.compute_ms, len(tree.tokens) - tree.root, spent.client_ms - spent.compute_ms)
+        return verified, tree
+
     # -- bookkeeping --------------------------------------------------------------------------
+
+    def _take_tree_keep(self) -> list[int]:
+        """The last tree's accepted path, for the target's next step (once)."""
+        kept, self.tree_keep = self.tree_keep, []
+        return kept
 
     def _opening(self, processing: ProcessingConfig | None = None) -> OpenRequest:
         processing = processing or self.ctx.params.processing

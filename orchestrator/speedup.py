@@ -179,6 +179,8 @@ class RunningEstimates:
     target_trip_ms: float | None = None  # a target message's time beyond the target's compute
     verify_costs: list[tuple[int, float]] = field(default_factory=list)  # the target's (positions, ms)
     verify_scale: float = 1.0
+    # Tree rounds verify each draft with its runners-up: 1 + `draft_alternatives` positions a draft.
+    nodes_per_draft: int = 1
     load: list[tuple[int, float]] = field(default_factory=list)  # (positions, batch ms ÷ one row's); [] = 1
     batch_rows: int = 0  # the rows of the last batch
     target_one_row_ms: float | None = None  # a target-only token's ms, ÷ the load it met
@@ -236,7 +238,8 @@ class RunningEstimates:
     def verify_at(self, gamma: int) -> float:
         """Predicted ms of a verification of γ drafts."""
         if self.verify_costs:
-            return forward_cost_at(self.verify_costs, gamma + 1) * self.load_at(gamma + 1) * self.verify_scale
+            positions = gamma * self.nodes_per_draft + 1
+            return forward_cost_at(self.verify_costs, positions) * self.load_at(positions) * self.verify_scale
         assert self.verify_ms is not None
         return self.verify_ms
 

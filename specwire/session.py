@@ -99,6 +99,7 @@ class StepRequest:
     tree_topk: list[int] = field(default_factory=list)  # Medusa heads applied here: node i+1's top-k index
     verify: Verification | None = None
     propose_ids_only: bool = False  # no proposal_scores in the result
+    propose_alternatives: int = 0  # greedy proposals: the k next-best ids at each position too
     trace: dict[str, str] | None = None
 
 
@@ -160,6 +161,7 @@ class StepResult:
     timing: ServerTiming = field(default_factory=ServerTiming)
     medusa_ids: torch.Tensor | None = None  # [rows, heads, medusa_top_k]
     tree_ids: torch.Tensor | None = None  # [n] the nodes the service built (`tree_topk`)
+    alternative_ids: torch.Tensor | None = None  # [branches, n, k] (`propose_alternatives`)
 
 
 @dataclass(frozen=True)

@@ -220,6 +220,7 @@ def step_to_pb(request: StepRequest) -> model_pb2.SessionRequest:
         tree_keep=request.tree_keep,
         tree_topk=request.tree_topk,
         propose_ids_only=request.propose_ids_only,
+        propose_alternatives=request.propose_alternatives,
         trace=_trace_to_pb(request.trace),
     )
     if request.keep_tokens is not None:
@@ -255,6 +256,7 @@ def step_from_pb(message: model_pb2.Step) -> StepRequest:
         tree_topk=list(message.tree_topk),
         verify=_verification_from_pb(message.verify) if message.HasField("verify") else None,
         propose_ids_only=message.propose_ids_only,
+        propose_alternatives=message.propose_alternatives,
         trace=_trace_from_pb(message.trace),
     )
 
@@ -297,6 +299,8 @@ def result_to_pb(result: StepResult) -> model_pb2.SessionReply:
         reply.medusa_ids.CopyFrom(tensor_to_pb(result.medusa_ids.to(torch.int32)))
     if result.tree_ids is not None:
         reply.tree_ids.CopyFrom(tensor_to_pb(result.tree_ids.to(torch.int32)))
+    if result.alternative_ids is not None:
+        reply.alternative_ids.CopyFrom(tensor_to_pb(result.alternative_ids.to(torch.int32)))
     if result.verdict is not None:
         reply.verdict.accepted_length = result.verdict.accepted_len
         reply.verdict.next_token = result.verdict.next_token
@@ -311,6 +315,7 @@ def result_from_pb(reply: model_pb2.SessionReply) -> StepResult:
         num_tokens=reply.num_tokens,
         medusa_ids=tensor_from_pb(reply.medusa_ids) if reply.HasField("medusa_ids") else None,
         tree_ids=tensor_from_pb(reply.tree_ids) if reply.HasField("tree_ids") else None,
+        alternative_ids=tensor_from_pb(reply.alternative_ids) if reply.HasField("alternative_ids") else None,
         verdict=(
             Verdict(reply.verdict.accepted_length, reply.verdict.next_token) if reply.HasField("verdict") else None
         ),

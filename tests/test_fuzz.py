@@ -84,7 +84,7 @@ BOUNDED_EXTREMES: dict[str, Any] = {
     "max_new_tokens": INT32_MAX, "num_beams": INT32_MAX, "num_return_sequences": INT32_MAX,
     "num_speculative_tokens": INT32_MAX, "top_p": FLOAT32_MAX, "min_p": FLOAT32_MAX, "length_penalty": FLOAT32_MAX,
     "draft_confidence_threshold": FLOAT32_MAX, "cd_alpha": FLOAT32_MAX, "posterior_threshold": FLOAT32_MAX,
-    "posterior_alpha": FLOAT32_MAX,
+    "posterior_alpha": FLOAT32_MAX, "draft_alternatives": INT32_MAX,
 }
 
 
@@ -209,6 +209,8 @@ class Generator:
                 fields["speculative_pipeline"] = pipeline
             if r.random() < 0.3:
                 fields["draft_confidence_threshold"] = r.choice([0.0, 0.5, 0.999])
+            if r.random() < 0.3:
+                fields["draft_alternatives"] = r.choice([0, 1, 8])  # greedy rounds use them
         if strategy == "contrastive":
             fields["cd_form"] = r.choice(["", "obrien", "li"])
             fields["cd_alpha"] = r.choice([1e-45, 0.1, 1.0])
@@ -233,6 +235,7 @@ class Generator:
             "early_stopping": lambda: r.choice(["sometimes", "yes", long_text]),
             "num_speculative_tokens": lambda: r.choice([-1, -3, 65, 2**31 - 1, -(2**31)]),
             "draft_confidence_threshold": lambda: r.choice([1.0, -0.1, 2.0, nan]),
+            "draft_alternatives": lambda: r.choice([-1, 9, 2**31 - 1, -(2**31)]),
             "cd_form": lambda: r.choice(["lewis", "obrien-li", long_text]),
             "cd_alpha": lambda: r.choice([0.0, -0.1, 1.5, nan, 1e-46]),
             "cd_beta": lambda: r.choice([-1.0, -1e-45, nan, inf]),

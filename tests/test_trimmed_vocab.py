@@ -195,13 +195,14 @@ def test_greedy_speculation_with_a_trimmed_draft_equals_target_greedy(trimmed_st
         assert got.token_ids == expected, prompt
 
 
-def test_pair_sums_are_alpha_agreement_outside_mass_and_kl_on_the_draft_ids() -> None:
+def test_pair_sums_are_alpha_agreements_outside_mass_and_kl_on_the_draft_ids() -> None:
     target = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     draft = torch.tensor([[1.0, float("-inf"), 2.0, float("-inf")]])  # the draft has ids 0 and 2
     p, q = target.softmax(-1)[0], draft.softmax(-1)[0]
-    alpha, agree, outside, kl = pair_sums(target, draft).tolist()
+    alpha, agree, outside, kl, agree_top2 = pair_sums(target, draft).tolist()
     assert alpha == pytest.approx(float(torch.minimum(p, q).sum()))
-    assert agree == 0.0 and outside == pytest.approx(float(p[1] + p[3]))
+    assert agree == 0.0 and agree_top2 == 1.0  # the target's id 0 is the draft's second best
+    assert outside == pytest.approx(float(p[1] + p[3]))
     kept = p[[0, 2]] / p[[0, 2]].sum()
     assert kl == pytest.approx(float((kept * (kept / q[[0, 2]]).log()).sum()))
 

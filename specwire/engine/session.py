@@ -51,6 +51,7 @@ from specwire.session import (
 
 MAX_BRANCHES = 64
 MAX_PROPOSE = 64
+MAX_ALTERNATIVES = 8  # `propose_alternatives`: next-best ids per proposed position
 LOAD_REFRESH = 16  # replies at the same batch rows between two that carry its costs
 
 def encode_probs(probs: torch.Tensor, config: ProcessingConfig, columns: torch.Tensor | None = None) -> Scores:
@@ -504,6 +505,12 @@ class EngineSession:
             self._append(request.append_ids)
         if not 0 <= request.propose <= MAX_PROPOSE:
             raise InvalidArgument("propose", f"must be in [0, {MAX_PROPOSE}], got {request.propose}")
+        if not 0 <= request.propose_alternatives <= MAX_ALTERNATIVES:
+            raise InvalidArgument(
+                "propose_alternatives", f"must be in [0, {MAX_ALTERNATIVES}], got {request.propose_alternatives}"
+            )
+        if request.propose_alternatives and not request.propose_greedy:
+            raise InvalidArgument("propose_alternatives", "needs propose_greedy (they are the next-best ids after the argmax)")
         if request.verify is not None:
             if request.propose:
                 raise InvalidArgument("verify", "cannot be combined with propose")
@@ -515,6 +522,7 @@ class EngineSession:
             request.propose_seed,
             request.propose_min_confidence,
             request.propose_ids_only,
+            alternatives=request.propose_alternatives,
         )
 
     def _step_tree(self, request: StepRequest) -> StepResult:
@@ -829,10 +837,11 @@ class EngineSession:
         return apply_penalties(logits, history, config)
 
     def _propose(
-        self, count: int, greedy: bool, seed: int, min_confidence: float, ids_only: bool = False
-    ) -> tuple[torch.Tensor, Scores | None]:
+        self, count: int, greedy: bool, seed: int, min_confidence: float, ids_only: bool = False, alternatives: int = 0
+    ) -> tuple[torch.Tensor, Scores | None, torch.Tensor | None]:
         """Draw up to `count` tokens per branch in one decode round; the last drawn stays pending.
-        The drawn tokens' distributions come back too unless `greedy` or `ids_only`."""
+        The drawn tokens' distributions come back too unless `greedy` or `ids_only`; with
+        `alternatives` (greedy), each position's next-best ids [branches, n, k]."""
         self.last_hidden = None
         generator = None
         if not greedy:
@@ -840,6 +849,7 @@ class EngineSession:
             generator.manual_seed(seed)
         drawn: list[torch.Tensor] = []
         dists: list[torch.Tensor] = []
+        runners_up: list[torch.Tensor] = []
         # A trimmed draft's logits are −inf outside its K ids: choosing among those alone gives
         # the same distribution (and argmax) at a 16th of the width (Gemma's 262,144 ids, K 16,384).
         columns = None if self.processing.has_penalties else self.lm.proposable_ids
@@ -853,6 +863,9 @@ class EngineSession:
                 scores = greedy_scores(logits, history, self.processing)
                 token = argmax_rows(scores).unsqueeze(-1)
                 confidence = scores.softmax(dim=-1).amax(dim=-1).min() if gated else None
+                if alternatives:
+                    others = scores.scatter(-1, token, float("-inf")).topk(alternatives, dim=-1).indices
+                    runners_up.append((others if columns is None else columns[others]).cpu())
             else:
                 probs = sampling_probs(logits, history, self.processing)
                 token = draw(probs, generator).unsqueeze(-1)
@@ -864,6 +877,8 @@ class EngineSession:
             if gated and float(cast(torch.Tensor, confidence)) < min_confidence:
                 if dists:
                     dists.pop()
+                if runners_up:
+                    runners_up.pop()
                 return None
             drawn.append(token.cpu())
             self.tokens = torch.cat([self.tokens, drawn[-1]], dim=1)
@@ -873,9 +888,10 @@ class EngineSession:
         self.forward_calls += self.kv.decode(self.tokens, self._uncached_start(1), count, pick, plain)
         proposed = torch.cat(drawn, dim=1).to(torch.int32)
         if greedy or ids_only:
-            return proposed, None
+            others = torch.stack(runners_up, dim=1).to(torch.int32) if runners_up else None  # [branches, n, k]
+            return proposed, None, others
         probs = torch.stack(dists, dim=1).flatten(0, 1)  # [branches·n, vocab]
-        return proposed, encode_probs(probs, self.processing, columns)
+        return proposed, encode_probs(probs, self.processing, columns), None
 
     def _finish(
         self,
@@ -886,14 +902,17 @@ class EngineSession:
         min_confidence: float,
         ids_only: bool = False,
         tree: list[int] | None = None,
+        alternatives: int = 0,
     ) -> StepResult:
         calls_before = self.forward_calls
         scores, medusa_ids = self._score(scoring, more=propose > 0, tree=tree)
         tree_ids = self.tokens[0, -len(tree) :].to(torch.int32) if tree else None
-        proposed, proposal_scores = None, None
+        proposed, proposal_scores, alternative_ids = None, None, None
         if propose > 0:
             self._check_length(self.length + propose, "propose")
-            proposed, proposal_scores = self._propose(propose, greedy, seed, min_confidence, ids_only)
+            proposed, proposal_scores, alternative_ids = self._propose(
+                propose, greedy, seed, min_confidence, ids_only, alternatives
+            )
         # Whoever times this call (the servicer, a LocalSession) must see the GPU work in it.
         synchronize(self.lm.device)
         return StepResult(
@@ -904,4 +923,5 @@ class EngineSession:
             timing=ServerTiming(forward_calls=self.forward_calls - calls_before),
             medusa_ids=medusa_ids,
             tree_ids=tree_ids,
+            alternative_ids=alternative_ids,
         )

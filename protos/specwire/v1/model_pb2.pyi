@@ -150,7 +150,7 @@ class Scoring(_message.Message):
     def __init__(self, kind: _Optional[_Union[ScoreKind, str]] = ..., positions: _Optional[int] = ..., top_n: _Optional[int] = ..., logits_dtype: _Optional[str] = ..., extras: _Optional[_Union[ExtraOutputs, _Mapping]] = ..., score_ids: _Optional[_Iterable[int]] = ..., medusa_top_k: _Optional[int] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("keep_tokens", "branch_order", "append_ids", "scoring", "propose", "propose_greedy", "propose_seed", "propose_min_confidence", "tree_parents", "tree_keep", "tree_topk", "verify", "propose_ids_only", "trace")
+    __slots__ = ("keep_tokens", "branch_order", "append_ids", "scoring", "propose", "propose_greedy", "propose_seed", "propose_min_confidence", "tree_parents", "tree_keep", "tree_topk", "verify", "propose_ids_only", "propose_alternatives", "trace")
     KEEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BRANCH_ORDER_FIELD_NUMBER: _ClassVar[int]
     APPEND_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class Step(_message.Message):
     TREE_TOPK_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_IDS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
     keep_tokens: int
     branch_order: _containers.RepeatedScalarFieldContainer[int]
@@ -178,8 +179,9 @@ class Step(_message.Message):
     tree_topk: _containers.RepeatedScalarFieldContainer[int]
     verify: Verify
     propose_ids_only: bool
+    propose_alternatives: int
     trace: _common_pb2.TraceContext
-    def __init__(self, keep_tokens: _Optional[int] = ..., branch_order: _Optional[_Iterable[int]] = ..., append_ids: _Optional[_Iterable[int]] = ..., scoring: _Optional[_Union[Scoring, _Mapping]] = ..., propose: _Optional[int] = ..., propose_greedy: _Optional[bool] = ..., propose_seed: _Optional[int] = ..., propose_min_confidence: _Optional[float] = ..., tree_parents: _Optional[_Iterable[int]] = ..., tree_keep: _Optional[_Iterable[int]] = ..., tree_topk: _Optional[_Iterable[int]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., propose_ids_only: _Optional[bool] = ..., trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
+    def __init__(self, keep_tokens: _Optional[int] = ..., branch_order: _Optional[_Iterable[int]] = ..., append_ids: _Optional[_Iterable[int]] = ..., scoring: _Optional[_Union[Scoring, _Mapping]] = ..., propose: _Optional[int] = ..., propose_greedy: _Optional[bool] = ..., propose_seed: _Optional[int] = ..., propose_min_confidence: _Optional[float] = ..., tree_parents: _Optional[_Iterable[int]] = ..., tree_keep: _Optional[_Iterable[int]] = ..., tree_topk: _Optional[_Iterable[int]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., propose_ids_only: _Optional[bool] = ..., propose_alternatives: _Optional[int] = ..., trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
 
 class Verify(_message.Message):
     __slots__ = ("draft_probs", "seed")
@@ -232,7 +234,7 @@ class Scores(_message.Message):
     def __init__(self, kind: _Optional[_Union[ScoreKind, str]] = ..., argmax_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., dense: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sparse_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sparse_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., varentropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., attention_entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., attention_varentropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., agreement: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., interaction_strength: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class SessionReply(_message.Message):
-    __slots__ = ("scores", "proposed_ids", "proposal_scores", "num_tokens", "timing", "medusa_ids", "tree_ids", "verdict")
+    __slots__ = ("scores", "proposed_ids", "proposal_scores", "num_tokens", "timing", "medusa_ids", "tree_ids", "verdict", "alternative_ids")
     SCORES_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_IDS_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_SCORES_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +243,7 @@ class SessionReply(_message.Message):
     MEDUSA_IDS_FIELD_NUMBER: _ClassVar[int]
     TREE_IDS_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVE_IDS_FIELD_NUMBER: _ClassVar[int]
     scores: Scores
     proposed_ids: _common_pb2.Tensor
     proposal_scores: Scores
@@ -249,4 +252,5 @@ class SessionReply(_message.Message):
     medusa_ids: _common_pb2.Tensor
     tree_ids: _common_pb2.Tensor
     verdict: Verdict
-    def __init__(self, scores: _Optional[_Union[Scores, _Mapping]] = ..., proposed_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., proposal_scores: _Optional[_Union[Scores, _Mapping]] = ..., num_tokens: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ServerTiming, _Mapping]] = ..., medusa_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tree_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ...) -> None: ...
+    alternative_ids: _common_pb2.Tensor
+    def __init__(self, scores: _Optional[_Union[Scores, _Mapping]] = ..., proposed_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., proposal_scores: _Optional[_Union[Scores, _Mapping]] = ..., num_tokens: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ServerTiming, _Mapping]] = ..., medusa_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tree_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., alternative_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...

@@ -76,7 +76,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "input_ids", "strategy", "max_new_tokens", "ignore_eos", "stop_strings", "seed", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "no_repeat_ngram_size", "num_beams", "length_penalty", "early_stopping", "num_return_sequences", "num_speculative_tokens", "draft_confidence_threshold", "speculative_pipeline", "cd_form", "cd_alpha", "cd_beta", "amateur_temperature", "entropix", "medusa_choices", "medusa_acceptance", "posterior_threshold", "posterior_alpha")
+    __slots__ = ("prompt", "input_ids", "strategy", "max_new_tokens", "ignore_eos", "stop_strings", "seed", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "no_repeat_ngram_size", "num_beams", "length_penalty", "early_stopping", "num_return_sequences", "num_speculative_tokens", "draft_confidence_threshold", "speculative_pipeline", "draft_alternatives", "cd_form", "cd_alpha", "cd_beta", "amateur_temperature", "entropix", "medusa_choices", "medusa_acceptance", "posterior_threshold", "posterior_alpha")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class GenerateRequest(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CONFIDENCE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     CD_FORM_FIELD_NUMBER: _ClassVar[int]
     CD_ALPHA_FIELD_NUMBER: _ClassVar[int]
     CD_BETA_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +127,7 @@ class GenerateRequest(_message.Message):
     num_speculative_tokens: int
     draft_confidence_threshold: float
     speculative_pipeline: bool
+    draft_alternatives: int
     cd_form: ContrastiveForm
     cd_alpha: float
     cd_beta: float
@@ -135,7 +137,7 @@ class GenerateRequest(_message.Message):
     medusa_acceptance: MedusaAcceptance
     posterior_threshold: float
     posterior_alpha: float
-    def __init__(self, prompt: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., strategy: _Optional[_Union[Strategy, str]] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_strings: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., no_repeat_ngram_size: _Optional[int] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[EarlyStopping, str]] = ..., num_return_sequences: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., draft_confidence_threshold: _Optional[float] = ..., speculative_pipeline: _Optional[bool] = ..., cd_form: _Optional[_Union[ContrastiveForm, str]] = ..., cd_alpha: _Optional[float] = ..., cd_beta: _Optional[float] = ..., amateur_temperature: _Optional[float] = ..., entropix: _Optional[_Union[EntropixParams, _Mapping]] = ..., medusa_choices: _Optional[str] = ..., medusa_acceptance: _Optional[_Union[MedusaAcceptance, str]] = ..., posterior_threshold: _Optional[float] = ..., posterior_alpha: _Optional[float] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., strategy: _Optional[_Union[Strategy, str]] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_strings: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., no_repeat_ngram_size: _Optional[int] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[EarlyStopping, str]] = ..., num_return_sequences: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., draft_confidence_threshold: _Optional[float] = ..., speculative_pipeline: _Optional[bool] = ..., draft_alternatives: _Optional[int] = ..., cd_form: _Optional[_Union[ContrastiveForm, str]] = ..., cd_alpha: _Optional[float] = ..., cd_beta: _Optional[float] = ..., amateur_temperature: _Optional[float] = ..., entropix: _Optional[_Union[EntropixParams, _Mapping]] = ..., medusa_choices: _Optional[str] = ..., medusa_acceptance: _Optional[_Union[MedusaAcceptance, str]] = ..., posterior_threshold: _Optional[float] = ..., posterior_alpha: _Optional[float] = ...) -> None: ...
 
 class EntropixParams(_message.Message):
     __slots__ = ("argmax_entropy", "argmax_varentropy", "clarify_entropy", "clarify_varentropy", "branch_entropy", "branch_varentropy", "resample_entropy", "resample_varentropy", "clarifying_token", "clarify_temperature_offset", "clarify_temperature_coefficient", "clarify_max_temperature", "branch_temperature_offset", "branch_temperature_coefficient", "branch_max_temperature", "branch_top_k_coefficient", "branch_min_top_k", "resample_temperature_offset", "resample_temperature_coefficient", "resample_min_temperature", "resample_top_p_coefficient", "resample_min_top_p", "adaptive_samples", "adaptive_min_p", "adaptive_temperature_logits", "adaptive_temperature_attention", "adaptive_temperature_agreement", "adaptive_top_p_coefficient", "adaptive_top_k_interaction", "adaptive_top_k_agreement", "adaptive_max_top_k", "adaptive_min_p_coefficient", "score_entropy", "score_attention_entropy", "score_varentropy", "score_attention_varentropy", "score_agreement", "score_interaction_strength")
