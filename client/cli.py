@@ -70,6 +70,7 @@ GENERATION_FLAGS: list[tuple[str, Any, str]] = [
     ("--num-return-sequences", int, "beam hypotheses to return (≤ num_beams)"),
     ("--num-speculative-tokens", int, "γ: draft tokens per speculative round, 0 or unset = auto (with entropix: speculate)"),
     ("--draft-confidence-threshold", float, "draft stops proposing below this top probability"),
+    ("--draft-alternatives", int, "greedy speculation: verify the draft's k runners-up a position too, as a tree"),
     ("--cd-alpha", float, "contrastive plausibility cut-off α"),
     ("--cd-beta", float, "O'Brien & Lewis contrast weight β"),
     ("--amateur-temperature", float, "Li et al. amateur temperature τ"),

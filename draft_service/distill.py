@@ -163,7 +163,7 @@ def add_parser(commands: Any) -> None:
     scratch_flags.add_argument("--text-batch", type=int, default=8, help="text windows per step (with --batch-size cached)")
     scratch_flags.add_argument(
         "--bf16", action="store_true",
-        help="bfloat16 autocast where the CPU multiplies bfloat16 natively (AVX-512 BF16, AMX); float32 elsewhere",
+        help="bfloat16 autocast where bfloat16 products run faster than float32 ones here (timed); float32 elsewhere",
     )
     scratch_flags.add_argument("--teacher-cache", help="the teacher cache directory (default: OUT.teacher; built if missing)")
     teacher_cache.add_arguments(parser)

@@ -378,6 +378,7 @@ class Speculation:
             self.target_sync = SessionSync(base + accepted_len, base + accepted_len)
             ctx.stats.tree_rounds += 1
             ctx.stats.tree_nodes += len(tree.tokens) - tree.root
+            current.set(tree_size=len(tree.tokens) - tree.root)
         if ahead is not None:
             # The draft holds history + drafts + [guess] + its next proposal.
             held = base + len(drafts) + len(ahead.tokens)
@@ -510,7 +511,7 @@ class Speculation:
         spent = ctx.stats.target.since(before)
         self._record_load(verified)
         if ctx.stats.target.calls > 2:  # the first step carries the prompt's prefill
-            self.estimates.record_verify(spent.compute_ms, len(tree.tokens) - tree.root, spent.client_ms - spent.compute_ms)
+            self.estimates.record_verify(spent.compute_ms, len(tree.tokens), spent.client_ms - spent.compute_ms)
         return verified, tree
 
     # -- bookkeeping --------------------------------------------------------------------------
