@@ -19,8 +19,8 @@ in a freshly shuffled order, so drifting machine load spreads over all of them):
                                    (with target-only rounds when speculation is predicted slower)
                                    and pipelined drafting;
       `specwire_speculative_sequential` the draft model at a fixed γ, no pipelining, no fallback;
-      `specwire_speculative_tree`  the same, with the draft's TREE_ALTERNATIVES runners-up at each
-                                   position verified beside the chain as one token tree
+      `specwire_speculative_tree`  the same, with the draft's `--draft-alternatives` runners-up at
+                                   each position verified beside the chain as one token tree
                                    (`draft_alternatives`; its α counts a runner-up taken as accepted);
       `specwire_speculative_ngram` speculative with the n-gram drafter (a second stack), defaults
                                    (the orchestrator drafts: one target message per round);
@@ -168,12 +168,10 @@ SAMPLED_GROUPS = ("specwire_sampled", "specwire_medusa_sampled")
 TWINS = {"specwire_speculative_sampled": "specwire_sample"}
 # Beam search rows: compared with `specwire_beam`, not with greedy transformers.
 BEAM_GROUP = "specwire_beam"
-# Runners-up per drafted position of `specwire_speculative_tree`.
-TREE_ALTERNATIVES = 2
 # Entropix's base warpers (the reference's defaults), for a like-for-like sampling row.
 BASE_WARPERS = {"temperature": 0.666, "top_p": 0.9, "top_k": 27}
 # How each specwire row calls `Generate` beyond strategy, prompt and length; "gamma" = `--gamma`,
-# "num_beams" = `--num-beams`.
+# "num_beams" = `--num-beams`, "draft_alternatives" = `--draft-alternatives`.
 SPECWIRE_PARAMS: dict[str, dict[str, Any]] = {
     "specwire_greedy": {"strategy": "greedy"},
     "specwire_speculative": {"strategy": "speculative"},
@@ -182,7 +180,7 @@ SPECWIRE_PARAMS: dict[str, dict[str, Any]] = {
     },
     "specwire_speculative_tree": {
         "strategy": "speculative", "num_speculative_tokens": "gamma", "speculative_pipeline": False,
-        "draft_alternatives": TREE_ALTERNATIVES,
+        "draft_alternatives": "draft_alternatives",
     },
     "specwire_speculative_ngram": {"strategy": "speculative"},
     "specwire_speculative_sampled": {"strategy": "speculative", **BASE_WARPERS},
@@ -225,6 +223,7 @@ class BenchConfig:
     repeats: int = 3
     gamma: int = 4
     num_beams: int = 4  # k of the beam rows
+    draft_alternatives: int = 1  # the tree row's runners-up per drafted position
     device: str = "auto"
     dtype: str = "auto"
     rows: tuple[str, ...] = tuple(ROW_NAMES)
@@ -442,9 +441,9 @@ class HfRunner:
 # -- specwire over gRPC -------------------------------------------------------------------------
 
 
-def row_params(row: str, gamma: int, num_beams: int = 4) -> dict[str, Any]:
+def row_params(row: str, gamma: int, num_beams: int = 4, draft_alternatives: int = 1) -> dict[str, Any]:
     """The `Generate` keywords of a specwire row, beyond prompt and length."""
-    flags = {"gamma": gamma, "num_beams": num_beams}
+    flags = {"gamma": gamma, "num_beams": num_beams, "draft_alternatives": draft_alternatives}
     return {name: flags.get(value, value) if isinstance(value, str) else value for name, value in SPECWIRE_PARAMS[row].items()}
 
 
@@ -932,7 +931,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             stack = row_stack(row, set(stacks) | set(stack_errors))
             if stack in stack_errors:
                 raise RuntimeError(f"the {stack} stack did not start: {stack_errors[stack]}")
-            params = row_params(row, config.gamma, config.num_beams)
+            params = row_params(row, config.gamma, config.num_beams, config.draft_alternatives)
             if row in MEDUSA_ROWS and config.medusa_choices:
                 params["medusa_choices"] = config.medusa_choices
             return specwire_sample(clients[stack], params, ids, max_new_tokens)
@@ -997,6 +996,7 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             "repeats": config.repeats,
             "gamma": config.gamma,
             "num_beams": config.num_beams,
+            "draft_alternatives": config.draft_alternatives,
             "rtt_ms": config.rtt_ms,
             "device": str(hf.device),
             "dtype": str(next(hf.target.parameters()).dtype).removeprefix("torch."),
@@ -1072,6 +1072,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gamma", type=int, default=4, help="γ of the speculative and constant-schedule rows")
     parser.add_argument("--num-beams", type=int, default=4, help="k of the beam rows (specwire_beam, specwire_best_first_beam)")
+    parser.add_argument("--draft-alternatives", type=int, default=1,
+                        help="the draft's runners-up per position in specwire_speculative_tree")
     parser.add_argument("--target-model", help="target model directory (default: the demo target)")
     parser.add_argument("--draft-model", help="draft model directory (default: TARGET/draft if there, else the demo draft)")
     parser.add_argument("--device", default="auto")
@@ -1105,8 +1107,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     target, draft = default_models(args.target_model, args.draft_model)
-    if args.max_new_tokens < 1 or args.repeats < 1 or args.gamma < 1 or args.num_beams < 1:
-        raise SystemExit("--max-new-tokens, --repeats, --gamma and --num-beams must be ≥ 1")
+    if min(args.max_new_tokens, args.repeats, args.gamma, args.num_beams, args.draft_alternatives) < 1:
+        raise SystemExit("--max-new-tokens, --repeats, --gamma, --num-beams and --draft-alternatives must be ≥ 1")
     if args.rtt_ms < 0:
         raise SystemExit(f"--rtt-ms must be ≥ 0, got {args.rtt_ms}")
     runnable = llamacpp.available() and (args.gguf or llamacpp.find_gguf(target))  # llamacpp only where it can run
@@ -1126,6 +1128,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         repeats=args.repeats,
         gamma=args.gamma,
         num_beams=args.num_beams,
+        draft_alternatives=args.draft_alternatives,
         device=args.device,
         dtype=args.dtype,
         rows=rows,

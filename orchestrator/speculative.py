@@ -113,8 +113,8 @@ class Proposal:
 @dataclass(frozen=True)
 class DraftTree:
     """A greedy round's token tree (`Step.tree_parents`): a trunk of the tokens the target lacks,
-    ending at the last decided token (the root), then the drafted chain below it, then each
-    draft's runners-up as siblings of that draft."""
+    ending at the last decided token (the root), then the drafted chain below it, then the
+    runners-up of the first `depths` drafts as siblings of those drafts."""
 
     tokens: list[int]
     parents: list[int]
@@ -122,12 +122,12 @@ class DraftTree:
     chain_end: int  # nodes root + 1 … chain_end − 1 are the drafted chain
 
     @classmethod
-    def build(cls, trunk: list[int], proposal: Proposal) -> DraftTree:
+    def build(cls, trunk: list[int], proposal: Proposal, depths: int) -> DraftTree:
         root, drafts = len(trunk) - 1, proposal.tokens
         parents = list(range(-1, root))  # the trunk: each node the child of the one before
         parents += [root + depth for depth in range(len(drafts))]  # the chain
         tokens = trunk + drafts
-        for depth, others in enumerate(proposal.alternatives[: len(drafts)]):
+        for depth, others in enumerate(proposal.alternatives[: min(depths, len(drafts))]):
             tokens += others
             parents += [root + depth] * len(others)  # beside the chain's node at this depth
         return cls(tokens, parents, root, root + 1 + len(drafts))
@@ -219,7 +219,6 @@ class Speculation:
         # Greedy rounds with a draft model may verify its runners-up too, as a token tree; the
         # target's next step then keeps the tree's accepted path (`tree_keep`).
         self.alternatives = ctx.params.draft_alternatives if self.draft is not None and not ctx.params.do_sample else 0
-        self.estimates.nodes_per_draft = 1 + self.alternatives
         self.tree_keep: list[int] = []
         self.off_left = 0  # target-only rounds to run before probing speculation again
         self.off_chunk = 1  # the last target-only round's k
@@ -358,8 +357,9 @@ class Speculation:
         ahead_gamma = self._ahead_gamma(len(drafts), remaining)
         tree: DraftTree | None = None
         ahead: Proposal | None = None
-        if self._tree_fits(proposal):
-            verified, tree = await self._verify_tree(proposal)
+        depths = self._tree_depths(proposal)
+        if depths > 0:
+            verified, tree = await self._verify_tree(proposal, depths)
         elif ahead_gamma > 0:
             verified, ahead = await asyncio.gather(self._verify(proposal), self._propose_ahead(drafts, ahead_gamma + 1))
         else:
@@ -376,9 +376,11 @@ class Speculation:
             accepted_len = len(kept)
             self.tree_keep = path  # the target holds the history and the accepted nodes after it
             self.target_sync = SessionSync(base + accepted_len, base + accepted_len)
+            if chained < min(depths, len(drafts)):  # the chain missed where runners-up stood
+                self.estimates.record_rescue(accepted_len > chained)
             ctx.stats.tree_rounds += 1
             ctx.stats.tree_nodes += len(tree.tokens) - tree.root
-            current.set(tree_size=len(tree.tokens) - tree.root)
+            current.set(tree_size=len(tree.tokens) - tree.root, tree_depths=depths)
         if ahead is not None:
             # The draft holds history + drafts + [guess] + its next proposal.
             held = base + len(drafts) + len(ahead.tokens)
@@ -393,9 +395,10 @@ class Speculation:
         elif self.draft is not None:
             # Past the chain's accepted drafts, a runner-up and the next token are new to the draft.
             self.draft_sync = SessionSync(base + len(drafts), base + chained)
-        # A round with nothing to draft (no n-gram match) yields one token: a failed trial.
-        self.estimates.record_acceptance(max(1, len(drafts)), accepted_len)
-        self.memory.record(max(1, len(drafts)), accepted_len)
+        # A round with nothing to draft (no n-gram match) yields one token: a failed trial. α is
+        # the chain's: a runner-up taken counts in `rescue`.
+        self.estimates.record_acceptance(max(1, len(drafts)), chained)
+        self.memory.record(max(1, len(drafts)), chained)
         _count(ctx, len(drafts), accepted_len)
         ctx.stats.pipelined_rounds += int(pipelined)
         ctx.stats.speculative_rounds += 1
@@ -484,19 +487,23 @@ class Speculation:
             self.estimates.record_verify(spent.compute_ms, len(drafts) + 1, spent.client_ms - spent.compute_ms)
         return verified
 
-    def _tree_fits(self, proposal: Proposal) -> bool:
-        """The proposal has runners-up, and its tree fits the target's context (a tree takes a
-        cache slot a node until the next step keeps one path)."""
-        nodes = 1 + len(proposal.tokens) + sum(len(others) for others in proposal.alternatives)
-        return bool(proposal.alternatives) and len(self.history) + nodes <= self.ctx.target.info.max_context
+    def _tree_depths(self, proposal: Proposal) -> int:
+        """How many of the proposal's depths get their runners-up (`RunningEstimates.tree_depths`);
+        0 (a chain) without runners-up, or where the tree would not fit the target's context (a
+        tree takes a cache slot a node until the next step keeps one path)."""
+        if not proposal.alternatives:
+            return 0
+        depths = self.estimates.tree_depths(len(proposal.tokens), self.alternatives)
+        nodes = 1 + len(proposal.tokens) + sum(len(others) for others in proposal.alternatives[:depths])
+        return depths if len(self.history) + nodes <= self.ctx.target.info.max_context else 0
 
-    async def _verify_tree(self, proposal: Proposal) -> tuple[StepResult, DraftTree]:
+    async def _verify_tree(self, proposal: Proposal, depths: int) -> tuple[StepResult, DraftTree]:
         """The target scores every node of the round's tree (`DraftTree`) in one forward."""
         ctx = self.ctx
         keep, trunk = self.target_sync.catch_up(self.history)
         if not trunk:  # the target holds the last decided token: it goes again, as the root
             keep, trunk = len(self.history) - 1, self.history[-1:]
-        tree = DraftTree.build(trunk, proposal)
+        tree = DraftTree.build(trunk, proposal, depths)
         before = replace(ctx.stats.target)
         verified = await self.target.step(
             StepRequest(

@@ -43,6 +43,28 @@ def expected_tokens_per_round(alpha: float, gamma: float) -> float:
     return (1.0 - alpha ** (gamma + 1.0)) / (1.0 - alpha)
 
 
+def tree_tokens_per_round(alpha: float, gamma: int, rescue: float, depths: int) -> float:
+    """E of a round whose first `depths` drafts have runners-up beside them: the chain's E, plus
+    at each such depth d the chain reaches and misses there (α^(d−1)·(1 − α)) a runner-up's chance
+    `rescue` to be the target's token, which ends the round one token longer:
+    E + rescue·(1 − α)·Σ_{d=1}^{depths} α^(d−1)."""
+    reached = sum(alpha**depth for depth in range(min(depths, gamma)))
+    return expected_tokens_per_round(alpha, gamma) + rescue * (1.0 - alpha) * reached
+
+
+def best_tree_depths(
+    alpha: float, gamma: int, rescue: float, alternatives: int, round_ms: float, verify_positions: Callable[[int], float]
+) -> int:
+    """argmin over m ∈ [0, γ] of (round_ms + t_v(1 + γ + k·m)) / E_tree(m): how many depths get
+    their k runners-up, where each costs k more positions in the verification (the smallest m on
+    ties; 0 = a chain). `round_ms`: the round's time besides the verification."""
+    def per_token(depths: int) -> float:
+        verify = verify_positions(1 + gamma + alternatives * depths)
+        return (round_ms + verify) / tree_tokens_per_round(alpha, gamma, rescue, depths)
+
+    return min(range(gamma + 1), key=per_token)
+
+
 def predicted_speedup(alpha: float, gamma: float, cost_ratio: float) -> float:
     """Leviathan et al. Thm. 3.8: E[tokens per round] / (γ·c + 1), against target-only decoding."""
     if cost_ratio < 0:
@@ -179,8 +201,10 @@ class RunningEstimates:
     target_trip_ms: float | None = None  # a target message's time beyond the target's compute
     verify_costs: list[tuple[int, float]] = field(default_factory=list)  # the target's (positions, ms)
     verify_scale: float = 1.0
-    # Tree rounds verify each draft with its runners-up: 1 + `draft_alternatives` positions a draft.
-    nodes_per_draft: int = 1
+    # Tree rounds: how often a runner-up was the target's token where the chain's draft was not
+    # (decayed counts, from a prior of 1 in 4).
+    rescued: float = 1.0
+    unrescued: float = 3.0
     load: list[tuple[int, float]] = field(default_factory=list)  # (positions, batch ms ÷ one row's); [] = 1
     batch_rows: int = 0  # the rows of the last batch
     target_one_row_ms: float | None = None  # a target-only token's ms, ÷ the load it met
@@ -237,8 +261,11 @@ class RunningEstimates:
 
     def verify_at(self, gamma: int) -> float:
         """Predicted ms of a verification of γ drafts."""
+        return self.verify_positions(gamma + 1)
+
+    def verify_positions(self, positions: int) -> float:
+        """Predicted ms of a verification forward of `positions` positions."""
         if self.verify_costs:
-            positions = gamma * self.nodes_per_draft + 1
             return forward_cost_at(self.verify_costs, positions) * self.load_at(positions) * self.verify_scale
         assert self.verify_ms is not None
         return self.verify_ms
@@ -262,6 +289,24 @@ class RunningEstimates:
 
     def record_acceptance(self, drafted: int, accepted: int) -> None:
         self.accepted, self.rejected = decayed_counts(self.accepted, self.rejected, self.decay, drafted, accepted)
+
+    def record_rescue(self, rescued: bool) -> None:
+        """A tree round whose chain missed at a depth with runners-up: whether one was taken."""
+        self.rescued, self.unrescued = decayed_counts(self.rescued, self.unrescued, self.decay, 1, int(rescued))
+
+    @property
+    def rescue(self) -> float:
+        return alpha_estimate(self.rescued, self.unrescued)
+
+    def tree_depths(self, gamma: int, alternatives: int) -> int:
+        """The depths of a γ-draft round that get their runners-up (`best_tree_depths`); all of
+        them until the round's costs are measured."""
+        if not self.ready:
+            return gamma
+        assert self.draft_ms_per_token is not None
+        trips = (self.target_trip_ms or 0.0) + (self.draft_trip_ms or 0.0) + (self.draft_fixed_ms or 0.0)
+        round_ms = gamma * self.draft_ms_per_token + trips
+        return best_tree_depths(self.alpha, gamma, self.rescue, alternatives, round_ms, self.verify_positions)
 
     def record_draft(self, compute_ms: float, tokens: int, trip_ms: float) -> None:
         if tokens > 0:
