@@ -164,7 +164,7 @@ _MEMORIES: weakref.WeakKeyDictionary[object, dict[object, AcceptanceMemory]] = w
 def acceptance_memory(ctx: DecodeContext) -> AcceptanceMemory:
     """The memory of this generation's pair and rule (`AcceptanceMemory`)."""
     assert ctx.draft is not None
-    key = (ctx.target.info.model_name, ctx.params.do_sample, ctx.params.processing, ctx.params.draft_alternatives)
+    key = (ctx.target.info.model_name, ctx.params.do_sample, ctx.params.processing)
     return _MEMORIES.setdefault(ctx.draft, {}).setdefault(key, AcceptanceMemory())
 
 

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sysconfig
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,25 @@ log = logging.getLogger("specwire")
 
 _BUILT: dict[str, Any] = {}
 _FAILED: dict[str, str] = {}
+# torch's builder takes a lock file in the build directory for every load, built or not, and
+# waits for it with no limit: a process killed holding it (SIGKILL mid-start) left every later
+# start of any service waiting forever. A build takes about a minute here, so a lock this old is
+# a dead process's.
+STALE_LOCK_S = 600.0
+
+
+def clear_stale_lock(build_directory: Path, now: float | None = None) -> bool:
+    """Remove the builder's lock in `build_directory` if older than STALE_LOCK_S; True if removed."""
+    lock = build_directory / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    log.warning("removing %s, left %.0f s ago by a build that never finished", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def load(stem: str) -> Any:
@@ -35,6 +55,7 @@ def load(stem: str) -> Any:
     if shutil.which("ninja") is None:  # torch's builder runs `ninja`; the pip one sits beside python
         os.environ["PATH"] = sysconfig.get_path("scripts") + os.pathsep + os.environ.get("PATH", "")
     try:
+        clear_stale_lock(Path(cpp_extension._get_build_directory(f"specwire_{stem}", verbose=False)))
         module = cpp_extension.load(
             f"specwire_{stem}", [str(Path(__file__).with_name(f"{stem}.cpp"))],
             # -fopenmp: at::parallel_for's OpenMP loop is compiled here, from torch's headers.
