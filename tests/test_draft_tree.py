@@ -24,7 +24,12 @@ import torch
 from specwire.client import Client, GenerationError
 from specwire.draft_service.ngram import NgramDrafter
 from specwire.orchestrator.speculative import DraftTree, Proposal
-from specwire.orchestrator.speedup import RunningEstimates, best_tree_depths, expected_tokens_per_round, tree_tokens_per_round
+from specwire.orchestrator.speedup import (
+    RunningEstimates,
+    best_tree_depths,
+    expected_tokens_per_round,
+    tree_tokens_per_round,
+)
 
 from specwire.engine import CausalLM, Engine, EngineLimits
 from specwire.errors import InvalidArgument
