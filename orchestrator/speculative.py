@@ -466,12 +466,11 @@ class Speculation:
         are decided there too when it can, on q and a seed from here."""
         ctx, drafts = self.ctx, proposal.tokens
         keep, append = self.target_sync.catch_up(self.history)
-        before = replace(ctx.stats.target)
         kind = ScoreKind.PROBS if ctx.params.do_sample else ScoreKind.ARGMAX
         verify = None
         if self.verify_remotely:
             verify = Verification(proposal.wire_probs(), ctx.draw_seed())
-        verified = await self.target.step(
+        return await self._send_verification(
             StepRequest(
                 tree_keep=self._take_tree_keep(),
                 keep_tokens=keep,
@@ -481,11 +480,6 @@ class Speculation:
                 trace=ctx.trace(),
             )
         )
-        spent = ctx.stats.target.since(before)
-        self._record_load(verified)
-        if ctx.stats.target.calls > 2:  # the first step carries the prompt's prefill
-            self.estimates.record_verify(spent.compute_ms, len(drafts) + 1, spent.client_ms - spent.compute_ms)
-        return verified
 
     def _tree_depths(self, proposal: Proposal) -> int:
         """How many of the proposal's depths get their runners-up (`RunningEstimates.tree_depths`);
@@ -504,8 +498,7 @@ class Speculation:
         if not trunk:  # the target holds the last decided token: it goes again, as the root
             keep, trunk = len(self.history) - 1, self.history[-1:]
         tree = DraftTree.build(trunk, proposal, depths)
-        before = replace(ctx.stats.target)
-        verified = await self.target.step(
+        verified = await self._send_verification(
             StepRequest(
                 tree_keep=self._take_tree_keep(),
                 keep_tokens=keep,
@@ -515,11 +508,19 @@ class Speculation:
                 trace=ctx.trace(),
             )
         )
+        return verified, tree
+
+    async def _send_verification(self, request: StepRequest) -> StepResult:
+        """One verification message to the target; its cost (at the positions it scores) and load
+        go into the estimates."""
+        ctx = self.ctx
+        before = replace(ctx.stats.target)
+        verified = await self.target.step(request)
         spent = ctx.stats.target.since(before)
         self._record_load(verified)
         if ctx.stats.target.calls > 2:  # the first step carries the prompt's prefill
-            self.estimates.record_verify(spent.compute_ms, len(tree.tokens), spent.client_ms - spent.compute_ms)
-        return verified, tree
+            self.estimates.record_verify(spent.compute_ms, request.scoring.positions, spent.client_ms - spent.compute_ms)
+        return verified
 
     # -- bookkeeping --------------------------------------------------------------------------
 
