@@ -16,7 +16,7 @@ import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -28,9 +28,12 @@ from specwire.draft_service.scratch import DraftShape, new_draft
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specwire.acceptance import accept_drafts
-from specwire.engine import CausalLM
+from specwire.engine import CausalLM, Engine, EngineLimits
+from specwire.engine.forward import greedy_steps
+from specwire.engine.scheduler import ForwardJob
 from specwire.engine.trimmed_vocab import VOCAB_FILE, TrimmedVocab, expand, most_frequent
 from specwire.processing import ProcessingConfig
+from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
 from tests.conftest import make_stack
 from tests.goodness_of_fit import chi_square_pvalue
 from tests.harness import LoopThread, Stack
@@ -217,3 +220,59 @@ def test_draft_quality_reports_exact_figures_for_a_trimmed_draft(
     for part in ("held_out", "continuations"):
         values = report["modes"]["none"][part]
         assert 0.0 < values["alpha"] < 1.0 and values["target_mass_outside_draft"] > 0.0
+
+
+def test_a_trimmed_draft_proposes_from_its_own_ids_alike_fused_or_step_by_step_and_scores_over_all(
+    trimmed_draft_dir: Path, char_tokenizer: Any
+) -> None:
+    """The scheduler computes a trimmed draft's K logits alone: its proposals pick among them, in
+    fused greedy steps (`greedy_steps`, run eagerly here in place of the compiled ones) and step by
+    step alike, with the same tokens and runners-up; a scored prompt still gets logits over every
+    target id, −inf outside the K, equal to the model's own."""
+    prompt = char_tokenizer(PROMPT).input_ids
+    vocab = TrimmedVocab.load(trimmed_draft_dir)
+    assert vocab is not None
+
+    def proposals(fused: bool) -> tuple[list[list[int]], set[int], torch.Tensor]:
+        engine = Engine(CausalLM.load(str(trimmed_draft_dir), device="cpu", dtype="float32"), "draft",
+                        EngineLimits(max_batch_rows=2, max_cache_len=64, compile="off"))
+        scheduler = engine.scheduler
+        assert scheduler is not None
+        widths: set[int] = set()
+        run_steps, run_one = scheduler._forward_steps, scheduler._forward
+
+        def steps_recorded(jobs: list[ForwardJob], *args: Any) -> torch.Tensor:
+            fed = run_steps(jobs, *args)
+            widths.update(int(cast(torch.Tensor, job.logits).shape[-1]) for job in jobs if job.pick)
+            return fed
+
+        def one_recorded(jobs: list[ForwardJob], *args: Any, **kwargs: Any) -> None:
+            run_one(jobs, *args, **kwargs)
+            widths.update(int(cast(torch.Tensor, job.logits).shape[-1]) for job in jobs if job.pick)
+
+        scheduler._forward_steps, scheduler._forward = steps_recorded, one_recorded  # type: ignore[method-assign]
+        if fused:
+            scheduler._compiled_steps = greedy_steps
+            scheduler._warm_steps |= {(True, True), (True, False)}
+        session = engine.new_session()
+        opened = session.open(OpenRequest(prompt, scoring=Scoring(ScoreKind.LOGITS, positions=2)))
+        assert opened.scores is not None and opened.scores.dense is not None
+        out: list[list[int]] = []
+        for count in (5, 1, 9):
+            step = session.step(StepRequest(propose=count, propose_greedy=True, propose_ids_only=True,
+                                            propose_alternatives=2))
+            assert step.proposed_ids is not None and step.alternative_ids is not None
+            out += [step.proposed_ids.reshape(-1).tolist(), step.alternative_ids.reshape(-1).tolist()]
+        session.close()
+        return out, widths, opened.scores.dense
+
+    fused, fused_widths, scored = proposals(True)
+    single, single_widths, _ = proposals(False)
+    assert fused == single
+    assert fused_widths == single_widths == {len(vocab.ids)}  # the draft's K ids, not the target's
+    assert {token for run in fused for token in run} <= set(vocab.ids)
+    lm = CausalLM.load(str(trimmed_draft_dir), device="cpu", dtype="float32")
+    with torch.no_grad():
+        own = lm.model(input_ids=torch.tensor([prompt])).logits[0, -2:]  # [2, V]
+    assert scored.shape == own.shape == (2, len(char_tokenizer))
+    torch.testing.assert_close(scored, own, atol=1e-5, rtol=1e-5)

@@ -40,6 +40,7 @@ from specwire.engine import kernels
 from specwire.engine.batch_costs import BatchCosts
 from specwire.engine.cache import SlotCache
 from specwire.engine.forward import ForwardBatch, ForwardOutput, LeanModel, greedy_steps, row_keys
+from specwire.engine.trimmed_vocab import TargetVocabHead
 from specwire.entropy_metrics import AttentionStats, PositionMetrics
 from specwire.errors import ResourceExhausted
 
@@ -81,6 +82,10 @@ class ForwardJob:
     # one before; `pick` still chooses every token, and where it differs (a tie broken
     # otherwise) the round goes on unfused from there.
     fuse_greedy: bool = False
+    # `pick` takes logits over a trimmed draft's K ids alone: a scheduler whose model has such a
+    # head computes those (`ForwardBatch.narrow`) and scatters them into the target's vocabulary
+    # only for the jobs that do not take them.
+    narrow: bool = False
     forwards: int = 0  # run so far
     batch_rows: int = 0  # rows of the largest forward it rode in
     # results
@@ -131,6 +136,8 @@ class Scheduler:
         self._queue: list[ForwardJob] = []
         self._worker: threading.Thread | None = None  # runs every forward (`_run_forwards`)
         self._threads = torch.get_num_threads()  # the forward thread's, as set where the engine is made
+        head = getattr(model, "lm_head", None)
+        self._trimmed_head = head if isinstance(head, TargetVocabHead) else None  # forwards give its K logits
         self._awaited: set[int] = set()  # ids of owners served with `more` that have not come back
         self._served_at: dict[int, float] = {}  # owner id → when its last job ended
         self._return_s: dict[int, float] = {}  # owner id → its time from a job's end to its next (EMA)
@@ -349,8 +356,8 @@ class Scheduler:
             raise ValueError(f"rows must be ≤ {self.cache.scratch_row}, got {rows}")
         self.cache.forget_kept(range(rows))
 
-        def job() -> ForwardJob:
-            return ForwardJob(list(range(rows)), torch.zeros((rows, 1), dtype=torch.long), start, 1)
+        def job() -> ForwardJob:  # as a proposal's step: a trimmed draft's logits stay K wide
+            return ForwardJob(list(range(rows)), torch.zeros((rows, 1), dtype=torch.long), start, 1, narrow=True)
 
         def median_ms(step: Callable[[], object], per: int) -> float:
             for _ in range(5):
@@ -521,7 +528,7 @@ class Scheduler:
         """After fused steps (`fed`: the tokens [rows, FUSED_STEPS] the forward chose): the
         round's `pick` chooses each step's tokens in turn, up to where it differs from what the
         forward fed itself; True when the round goes on (unfused, from a difference)."""
-        assert job.logits is not None  # [rows, FUSED_STEPS, vocab]
+        assert job.logits is not None  # [rows, FUSED_STEPS, vocab or a trimmed draft's K]
         logits = job.logits
         going_on = True
         for step in range(FUSED_STEPS):
@@ -569,21 +576,30 @@ class Scheduler:
         return build_batch(jobs, self.device, self.cache.scratch_row, row_invariant=limit,
                            steps=steps if self.row_invariant else 1, **padding)
 
+    def _for_job(self, job: ForwardJob, logits: torch.Tensor) -> torch.Tensor:
+        """A job's logits as it takes them: a trimmed draft's K, scattered over the target's
+        vocabulary unless the job picks among those K alone (`ForwardJob.narrow`)."""
+        if self._trimmed_head is None or job.narrow:
+            return logits
+        return self._trimmed_head.scatter(logits)
+
     @torch.inference_mode()
     def _forward_steps(self, jobs: list[ForwardJob], steps: Callable[..., Any] | None = None) -> torch.Tensor:
         """FUSED_STEPS greedy steps of plain greedy rounds (`_fused`) in one compiled call
-        (`steps`, default the installed one): each job's logits [rows, FUSED_STEPS, vocab];
-        returns the tokens the forward fed itself."""
+        (`steps`, default the installed one): each job's logits [rows, FUSED_STEPS, vocab], or
+        over a trimmed draft's K ids (its rounds pick among those alone); returns the tokens the
+        forward fed itself."""
         steps = steps or self._compiled_steps
         assert steps is not None
         batch = self._build(jobs, steps=FUSED_STEPS)
         batch.logit_index = logit_index(jobs, 1, self.device)
         batch.dense = False  # guarded on (a mask or none): one graph
+        batch.narrow = self._trimmed_head is not None
         _own_symbols(batch)
         fed, logits = steps(self.model, self.cache, batch, FUSED_STEPS)
         first = 0
         for job in jobs:
-            job.logits = logits[first : first + len(job.rows)]
+            job.logits = self._for_job(job, logits[first : first + len(job.rows)])
             first += len(job.rows)
         return fed
 
@@ -600,6 +616,7 @@ class Scheduler:
         pad = compiled and cuda  # CUDA graphs: few static shapes
         batch = self._build(jobs, pad_rows=pad, key_multiple=64 if pad else 1)
         batch.logit_index = logit_index(jobs, int(batch.input_ids.shape[1]), self.device, pad)
+        batch.narrow = self._trimmed_head is not None
         if metrics:
             batch.metrics = True
             batch.score_rows, batch.score_tokens = score_selection(jobs, self.device)
@@ -636,7 +653,7 @@ class Scheduler:
                 job.hidden = out.hidden[first : first + count, :n]  # [rows, n, hidden]
             for row in job.rows:
                 self.cache.lengths[row] = job.start + n
-            job.logits = out.logits[offset : offset + size].view(count, job.keep, -1)
+            job.logits = self._for_job(job, out.logits[offset : offset + size].view(count, job.keep, -1))
             if job.want_metrics:
                 assert out.metrics is not None and per_row is not None
                 job.metrics = PositionMetrics(  # token metrics: [P] like the logits

@@ -124,12 +124,13 @@ class SessionKV(Protocol):
 
     def decode(
         self, tokens: torch.Tensor, start: int, steps: int, pick: Callable[[torch.Tensor], torch.Tensor | None],
-        plain_greedy: bool = False,
+        plain_greedy: bool = False, narrow: bool = False,
     ) -> int:
         """A decode round: forward tokens[:, start:], then up to `steps` − 1 times the tokens
         `pick(logits [branches, vocab] of the last token)` returns, until it returns None.
         Returns the forwards run. `pick` sees the logits of each forward in turn.
-        `plain_greedy`: `pick` takes the argmax of the raw logits (`ForwardJob.fuse_greedy`)."""
+        `plain_greedy`: `pick` takes the argmax of the raw logits (`ForwardJob.fuse_greedy`).
+        `narrow`: `pick` also takes logits over a trimmed draft's K ids alone (`ForwardJob.narrow`)."""
         ...
 
     def forward_tree(
@@ -197,7 +198,7 @@ class DynamicKV:
 
     def decode(
         self, tokens: torch.Tensor, start: int, steps: int, pick: Callable[[torch.Tensor], torch.Tensor | None],
-        plain_greedy: bool = False,
+        plain_greedy: bool = False, narrow: bool = False,
     ) -> int:
         for step in range(steps):
             logits, _ = self.forward(tokens, start, 1)
@@ -355,12 +356,12 @@ class SlotKV:
 
     def decode(
         self, tokens: torch.Tensor, start: int, steps: int, pick: Callable[[torch.Tensor], torch.Tensor | None],
-        plain_greedy: bool = False,
+        plain_greedy: bool = False, narrow: bool = False,
     ) -> int:
         """One scheduler job for the whole round (`ForwardJob.steps`): batched step by step with
         the other sessions' forwards, with no wake-up of this thread between steps."""
         job = self.run(ForwardJob(list(self.rows), tokens[:, start:], start, 1, steps=steps, pick=pick,
-                                  fuse_greedy=plain_greedy))
+                                  fuse_greedy=plain_greedy, narrow=narrow))
         return job.forwards
 
     def forward_tree(
@@ -857,7 +858,7 @@ class EngineSession:
         def pick(logits: torch.Tensor) -> torch.Tensor | None:  # [branches, vocab] → [branches, 1]
             history = self.tokens.to(logits.device)
             gated = bool(drawn) and min_confidence > 0  # the confidence is only worked out when it can stop
-            if columns is not None:
+            if columns is not None and logits.shape[-1] != columns.shape[0]:  # the scheduler's are K wide
                 logits = logits.index_select(-1, columns)  # [branches, K]
             if greedy:
                 scores = greedy_scores(logits, history, self.processing)
@@ -885,7 +886,7 @@ class EngineSession:
             return drawn[-1]
 
         plain = greedy and not self.processing.has_penalties and min_confidence <= 0
-        self.forward_calls += self.kv.decode(self.tokens, self._uncached_start(1), count, pick, plain)
+        self.forward_calls += self.kv.decode(self.tokens, self._uncached_start(1), count, pick, plain, columns is not None)
         proposed = torch.cat(drawn, dim=1).to(torch.int32)
         if greedy or ids_only:
             others = torch.stack(runners_up, dim=1).to(torch.int32) if runners_up else None  # [branches, n, k]

@@ -105,7 +105,10 @@ class TargetVocabHead(nn.Module):
         return cast(torch.Tensor, self.head.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        trimmed = self.head(hidden)  # [..., K]
+        return self.scatter(self.head(hidden))
+
+    def scatter(self, trimmed: torch.Tensor) -> torch.Tensor:
+        """[..., K] logits over the draft's ids → [..., V] over the target's, −inf outside."""
         logits = trimmed.new_full((*trimmed.shape[:-1], self.out_features), float("-inf"))  # [..., V]
         return logits.index_copy(-1, self.target_ids, trimmed)
 
