@@ -142,6 +142,7 @@ def test_auto_quantisation_picks_by_the_linear_weights_bytes() -> None:
     from torch import nn
 
     from specwire.engine import quantize
+    from specwire.engine.trimmed_vocab import TargetVocabHead, TrimmedVocab
 
     class Model(nn.Module):
         def __init__(self, mib: float, in_features: int) -> None:
@@ -170,6 +171,12 @@ def test_auto_quantisation_picks_by_the_linear_weights_bytes() -> None:
     assert quantize.resolve("auto", cpu, model(300), "AVX2", vnni=False) == "mixed"
     assert quantize.resolve("auto", cpu, model(48, in_features=688), "AVX2", vnni=False) == "int8"
     assert quantize.resolve("auto", torch.device("cuda"), model(300)) == "none"
+    # A trimmed draft's head is its own linear inside the wrapper that scatters it over the target's ids.
+    trimmed = model(48)
+    vocab = TrimmedVocab(trimmed.head.out_features + 7, tuple(range(trimmed.head.out_features)), 0)
+    trimmed.head = TargetVocabHead(trimmed.head, vocab, 1024)
+    assert quantize.resolve("auto", cpu, trimmed, "AVX512", vnni=True) == "mixed"
+    assert quantize.resolve("auto", cpu, trimmed, "AVX2", vnni=False) == "mixed"
 
 
 def _same_bits_alone_compiled_and_on_avx2(layer: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, isa: str) -> None:

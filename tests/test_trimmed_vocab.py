@@ -53,13 +53,13 @@ PROMPT = "abcab"
 KEPT_TEXT = "ghijkl" * 5 + "mnop"
 
 
-def save_trimmed_draft(path: Path, target_dir: Path, tokenizer: Any, seed: int, sharpen: float = 3.0) -> Path:
+def save_trimmed_draft(path: Path, target_dir: Path, tokenizer: Any, seed: int, sharpen: float = 3.0, hidden: int = 16) -> Path:
     """A fresh trimmed draft as `specwire distill --from-scratch` builds one (untrained)."""
     target_config = AutoConfig.from_pretrained(str(target_dir))
     stream = np.asarray(tokenizer(KEPT_TEXT).input_ids)
     ids = most_frequent(stream, 8, len(tokenizer), always=[0, 1])
     vocab = TrimmedVocab(len(tokenizer), tuple(ids), fallback=ids.index(1))
-    model = new_draft(DraftShape(layers=1, hidden=16, vocab_top=8), vocab, target_config, 128, seed)
+    model = new_draft(DraftShape(layers=1, hidden=hidden, vocab_top=8), vocab, target_config, 128, seed)
     with torch.no_grad():
         model.lm_head.weight.mul_(sharpen)
     model.save_pretrained(path)
@@ -276,3 +276,21 @@ def test_a_trimmed_draft_proposes_from_its_own_ids_alike_fused_or_step_by_step_a
         own = lm.model(input_ids=torch.tensor([prompt])).logits[0, -2:]  # [2, V]
     assert scored.shape == own.shape == (2, len(char_tokenizer))
     torch.testing.assert_close(scored, own, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_quantisation_puts_a_trimmed_drafts_own_head_at_4_bits(
+    models_dir: Path, small_target_dir: Path, char_tokenizer: Any
+) -> None:
+    """`mixed`: the output layer w4a8, the others int8; a trimmed draft's output layer is the
+    linear inside its `TargetVocabHead`, and the draft still scores every target id."""
+    from specwire.engine.quantize import W4A8Linear, W8A8Linear, w4a8_builds
+
+    if not w4a8_builds():
+        pytest.skip("the w4a8 kernel does not build here")
+    path = save_trimmed_draft(models_dir / "small-trimmed-draft-64", small_target_dir, char_tokenizer, seed=13, hidden=64)
+    lm = CausalLM.load(str(path), device="cpu", dtype="float32", quantization="mixed")
+    head = lm.model.get_output_embeddings()
+    assert isinstance(head.head, W4A8Linear)
+    down = [module for name, module in lm.model.named_modules() if name.endswith("down_proj")]
+    assert down and all(isinstance(module, W8A8Linear) for module in down)
+    assert lm.proposable_ids is not None and lm.vocab_size == head.out_features

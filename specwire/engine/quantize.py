@@ -32,6 +32,7 @@ from torch import nn
 
 from specwire.config import QUANTIZE_MODES as MODES
 from specwire.engine import kernels
+from specwire.engine.trimmed_vocab import TargetVocabHead
 
 log = logging.getLogger("specwire")
 
@@ -95,9 +96,11 @@ def resolve(mode: str, device: torch.device, model: nn.Module | None = None, cap
 
 
 def _output_layer(model: Any) -> nn.Module | None:
-    """transformers' LM head (`get_output_embeddings`), None for a model without one."""
+    """transformers' LM head (`get_output_embeddings`), a trimmed draft's own linear head inside
+    its wrapper (`TargetVocabHead`), None for a model without one."""
     get = getattr(model, "get_output_embeddings", None)
-    return cast(nn.Module | None, get()) if callable(get) else None
+    head = cast(nn.Module | None, get()) if callable(get) else None
+    return cast(nn.Module, head.head) if isinstance(head, TargetVocabHead) else head
 
 
 def _head_fits_w4a8(model: nn.Module) -> bool:
