@@ -571,10 +571,13 @@ class Scheduler:
         return False
 
     def _build(self, jobs: list[ForwardJob], steps: int = 1, **padding: Any) -> ForwardBatch:
-        """`build_batch` for this cache; row-invariant keys with room for `steps` fused steps."""
+        """`build_batch` for this cache; row-invariant keys with room for `steps` fused steps; a
+        trimmed draft's K logits alone (`_for_job` scatters them for the jobs that need all ids)."""
         limit = self.cache.keys[0].shape[2] if self.row_invariant else 0
-        return build_batch(jobs, self.device, self.cache.scratch_row, row_invariant=limit,
-                           steps=steps if self.row_invariant else 1, **padding)
+        batch = build_batch(jobs, self.device, self.cache.scratch_row, row_invariant=limit,
+                            steps=steps if self.row_invariant else 1, **padding)
+        batch.narrow = self._trimmed_head is not None
+        return batch
 
     def _for_job(self, job: ForwardJob, logits: torch.Tensor) -> torch.Tensor:
         """A job's logits as it takes them: a trimmed draft's K, scattered over the target's
@@ -594,7 +597,6 @@ class Scheduler:
         batch = self._build(jobs, steps=FUSED_STEPS)
         batch.logit_index = logit_index(jobs, 1, self.device)
         batch.dense = False  # guarded on (a mask or none): one graph
-        batch.narrow = self._trimmed_head is not None
         _own_symbols(batch)
         fed, logits = steps(self.model, self.cache, batch, FUSED_STEPS)
         first = 0
@@ -616,7 +618,6 @@ class Scheduler:
         pad = compiled and cuda  # CUDA graphs: few static shapes
         batch = self._build(jobs, pad_rows=pad, key_multiple=64 if pad else 1)
         batch.logit_index = logit_index(jobs, int(batch.input_ids.shape[1]), self.device, pad)
-        batch.narrow = self._trimmed_head is not None
         if metrics:
             batch.metrics = True
             batch.score_rows, batch.score_tokens = score_selection(jobs, self.device)
