@@ -46,6 +46,7 @@ from specwire.demo import demo_draft_dir, demo_medusa_dir, demo_target_dir
 from specwire.engine import CausalLM, Engine, EngineLimits
 from specwire.engine.model import resolve_device, resolve_dtype
 from specwire.engine.scheduler import synchronize
+from specwire.feature_drafter import is_feature_drafter
 from specwire.medusa import MedusaHeads
 
 SCHEMA = "specwire.bounds/1"
@@ -170,7 +171,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "speculative": [speculative_bound(alpha, greedy_ms, draft_ms, verify) for alpha in ALPHAS],
         "matmul": matmul_scaling(args.repeats * 4, target.lm.device, target.lm.dtype),
     }
-    if args.medusa and Path(args.medusa).is_dir() and not args.target_shape:
+    if args.medusa and Path(args.medusa).is_dir() and not args.target_shape and not is_feature_drafter(args.medusa):
         tuned = tune(argparse.Namespace(
             model=args.target_model, heads=args.medusa, nodes=24, prompts=args.medusa_prompts, prompt_chars=300,
             new_tokens=64, max_rank=6, threads=args.threads,

@@ -246,7 +246,10 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--out", required=True, help="directory for the heads (safetensors + medusa_config.json)")
     parser.add_argument("--data", nargs="*", help="text files (default: the stdlib source, as the demo pair)")
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--heads", type=int, default=3)
+    parser.add_argument("--kind", choices=["medusa", "feature"], default="medusa",
+                        help="medusa: Medusa-1 heads; feature: one decoder layer drafting a chain from the target's "
+                             "features (EAGLE; needs --teacher-cache)")
+    parser.add_argument("--heads", type=int, default=3, help="heads, or a feature drafter's deepest draft")
     parser.add_argument("--layers", type=int, default=1, help="residual blocks per head")
     parser.add_argument("--loss", choices=["distill", "ce"], default="distill")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -264,6 +267,15 @@ def add_parser(commands: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.kind == "feature":
+        if not args.teacher_cache:
+            raise SystemExit("--kind feature learns from a teacher cache: give --teacher-cache DIR")
+        from specwire.target_service.train_feature_drafter import train_feature_drafter
+
+        report = train_feature_drafter(args)
+        depths = ", ".join(f"{value:.1%}" for value in report["held_out_depth_agreement"])
+        print(f"held-out greedy agreement by depth: {depths}\nsaved to {args.out}")
+        return 0
     report = train_from_cache(args) if args.teacher_cache else train(args)
     for k, accuracy in enumerate(report["held_out_accuracy"]):
         print(f"head {k} (token t+{k + 2}): top-1 {accuracy['top1']:.1%}, top-5 {accuracy['top5']:.1%}")

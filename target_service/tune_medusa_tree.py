@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specwire.demo import demo_target_dir
 from specwire.demo.train_pair import load_corpus
+from specwire.feature_drafter import is_feature_drafter
 from specwire.medusa import MedusaHeads
 
 
@@ -59,6 +60,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     model: Any = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if is_feature_drafter(args.heads):
+        raise SystemExit(f"--heads {args.heads}: a feature drafter drafts one chain; its tree is that chain (choices.json)")
     heads = MedusaHeads.load(args.heads)
     depth = heads.num_heads
     corpus = load_corpus()

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from specwire.engine import quantize, trimmed_vocab
+from specwire.feature_drafter import FeatureDrafter, is_feature_drafter
 from specwire.medusa import CHOICES_NAME, MedusaHeads, build_tree, load_choices
 from specwire.tokenizer import eos_token_ids, load_tokenizer, split_gguf
 
@@ -57,13 +58,15 @@ class CausalLM:
     eos_token_ids: list[int]
     max_context: int
     accepts_logits_to_keep: bool
-    medusa: MedusaHeads | None = None  # heads on the final hidden state (`--medusa DIR`)
+    medusa: MedusaHeads | FeatureDrafter | None = None  # heads on the final hidden state (`--medusa DIR`)
     quantization: str = "none"  # the linear layers' weights (`specwire.engine.quantize`)
     medusa_choices: str = ""  # the heads' tuned tree, JSON (`CHOICES_NAME` beside them); "" = none
 
     def attach_medusa(self, directory: str) -> None:
-        """Load Medusa heads saved beside this model; they run on the hidden states of its forward."""
-        heads = MedusaHeads.load(directory)
+        """Load Medusa heads, or a feature drafter, saved beside this model; they run on the
+        hidden states of its forward."""
+        heads: MedusaHeads | FeatureDrafter
+        heads = FeatureDrafter.load(directory) if is_feature_drafter(directory) else MedusaHeads.load(directory)
         hidden = int(self.model.get_output_embeddings().in_features)
         if (heads.config.hidden_size, heads.config.vocab_size) != (hidden, self.vocab_size):
             raise ValueError(
@@ -71,6 +74,8 @@ class CausalLM:
                 f"model has {hidden} / {self.vocab_size}"
             )
         self.medusa = heads.to(device=self.device, dtype=self.dtype)
+        if isinstance(heads, FeatureDrafter):
+            heads.bind(self.model.get_input_embeddings().weight)
         tree = Path(directory) / CHOICES_NAME
         if tree.is_file():
             choices = load_choices(tree)

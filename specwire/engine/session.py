@@ -28,7 +28,8 @@ from specwire.engine.model import CausalLM
 from specwire.engine.scheduler import ForwardJob, Scheduler, synchronize
 from specwire.entropy_metrics import PositionMetrics, token_entropy
 from specwire.errors import InvalidArgument, StatusError, check_token_ids
-from specwire.medusa import tree_attention, tree_depths, tree_path
+from specwire.feature_drafter import FeatureDrafter, FeatureDrafterState
+from specwire.medusa import MedusaHeads, tree_attention, tree_depths, tree_path
 from specwire.processing import (
     ProcessingConfig,
     apply_penalties,
@@ -215,7 +216,7 @@ class DynamicKV:
         """One branch: the new tokens tokens[:, start:] with parents[i] the parent of new token i
         (-1 = the cached prefix); each attends to the cache and its ancestors at position
         start + depth (Medusa's tree attention). Returns [1, positions, vocab] float32 logits
-        and [positions, hidden] final hidden states of the last `positions` new tokens."""
+        of the last `positions` new tokens and [new, hidden] final hidden states of every one."""
         if self.cache is None:
             self.cache = DynamicCache()
         allowed = torch.cat([torch.ones(len(parents), start, dtype=torch.bool), tree_attention(parents)], dim=1)
@@ -230,8 +231,8 @@ class DynamicKV:
             use_cache=True,
         )
         self.cached = int(tokens.shape[1])
-        hidden = out.last_hidden_state[0, -positions:]  # [positions, hidden]
-        return self.lm.model.get_output_embeddings()(hidden).float()[None], hidden
+        hidden = out.last_hidden_state[0]  # [new, hidden]
+        return self.lm.model.get_output_embeddings()(hidden[-positions:]).float()[None], hidden
 
     @torch.inference_mode()
     def keep_path(self, start: int, kept: list[int]) -> None:
@@ -374,7 +375,7 @@ class SlotKV:
             job.tree_mask = tree_attention(parents)  # [new, new]
         self.run(job)
         assert job.logits is not None and job.hidden is not None
-        return job.logits, job.hidden[0, -positions:]
+        return job.logits, job.hidden[0]
 
     def set_deadline(self, seconds: float) -> None:
         """The caller's deadline is `seconds` away: wait no longer than that for rows."""
@@ -456,6 +457,7 @@ class EngineSession:
         # token's [hidden] (None once the tokens change), and the last tree's nodes' [n, hidden].
         self.last_hidden: torch.Tensor | None = None
         self.tree_hidden: torch.Tensor | None = None
+        self.drafter = FeatureDrafterState()  # a feature drafter's slots (`--medusa` of that kind)
 
     @property
     def num_branches(self) -> int:
@@ -487,6 +489,7 @@ class EngineSession:
         prompt = torch.tensor(request.prompt_ids, dtype=torch.long).unsqueeze(0)
         self.tokens = prompt.expand(request.num_branches, -1).clone()
         self.tree_start, self.last_hidden, self.tree_hidden = None, None, None
+        self.drafter = FeatureDrafterState()
         self.kv.open(request.num_branches, list(request.prompt_ids))
         return self._finish(request.scoring, 0, False, 0, 0.0)
 
@@ -583,10 +586,28 @@ class EngineSession:
             raise InvalidArgument("tree_parents", f"one root, at most {self.lm.medusa.num_heads} levels below it (the heads)")
         if self.last_hidden is None:
             raise InvalidArgument("tree_topk", "no hidden state at the last committed token: score it (or keep a scored tree's path) first")
-        with torch.inference_mode():
-            top = self.lm.medusa.top_ids(self.last_hidden[None], max(topk, default=0) + 1)[0].cpu()  # [heads, top_k]
+        if isinstance(self.lm.medusa, FeatureDrafter):
+            top = self._draft_chain(parents, topk, request.append_ids[0])
+        else:
+            with torch.inference_mode():
+                top = self.lm.medusa.top_ids(self.last_hidden[None], max(topk, default=0) + 1)[0].cpu()  # [heads, top_k]
         built = top[torch.tensor(heads, dtype=torch.long), torch.tensor(topk, dtype=torch.long)]  # [n−1]
         return [*request.append_ids, *built.tolist()]
+
+    def _draft_chain(self, parents: list[int], topk: list[int], root: int) -> torch.Tensor:
+        """[depth, top_k] ids from the feature drafter's chain. It drafts one chain, so every
+        node hangs from the root or from a node that took the chain's best id at its depth."""
+        assert isinstance(self.lm.medusa, FeatureDrafter)
+        on_chain = [True]
+        for node, parent in enumerate(parents[1:], start=1):
+            if not on_chain[parent]:
+                raise InvalidArgument("tree_topk", f"node {node}: a feature drafter's nodes hang from its chain of top-0 ids")
+            on_chain.append(topk[node - 1] == 0)
+        depth = max(tree_depths(parents))
+        try:
+            return self.drafter.draft(self.lm.medusa, self.tokens[0], root, depth, max(topk, default=0) + 1).cpu()
+        except ValueError as error:
+            raise InvalidArgument("tree_topk", f"{error}: score it (or keep a scored tree's path) first") from None
 
     def _keep_tree(self, nodes: list[int]) -> None:
         """Keep one root-to-node path of the last tree: its KV moves to contiguous positions."""
@@ -600,6 +621,8 @@ class EngineSession:
         self.tokens = torch.cat([self.tokens[:, :start], self.tokens[:, source]], dim=1)
         self.kv.keep_path(start, nodes)  # node indices ascend along a path: parents precede children
         self.last_hidden = self.tree_hidden[nodes[-1]] if self.tree_hidden is not None else None
+        if self.tree_hidden is not None:
+            self.drafter.commit(start, self.tree_hidden[nodes])
         self.tree_hidden = None
 
     def set_deadline(self, seconds: float) -> None:
@@ -624,6 +647,7 @@ class EngineSession:
             raise InvalidArgument("keep_tokens", f"must be in [1, {self.length}], got {keep}")
         self.tokens = self.tokens[:, :keep]
         self.last_hidden = None
+        self.drafter.cut(keep)
         if self.kv.cached > keep:
             self.kv.crop(keep)
 
@@ -676,9 +700,11 @@ class EngineSession:
         chain = self.length - start - (len(tree) if tree else 0)
         parents = list(range(-1, chain - 1))  # [pending] the chain of uncached committed tokens
         parents += [chain - 1 if p < 0 else chain + p for p in tree or []]
-        logits, hidden = self.kv.forward_tree(self.tokens, start, positions, parents)
+        logits, hidden = self.kv.forward_tree(self.tokens, start, positions, parents)  # hidden: [new, H]
         self.forward_calls += 1
-        return logits, hidden
+        if isinstance(self.lm.medusa, FeatureDrafter):
+            self.drafter.commit(start, hidden[:chain])  # committed tokens; a tree's nodes wait for `tree_keep`
+        return logits, hidden[-positions:]
 
     def _score(
         self, scoring: Scoring, more: bool = False, tree: list[int] | None = None
@@ -698,6 +724,8 @@ class EngineSession:
                 raise InvalidArgument("scoring.extras.attention_stats", "cannot be combined with Medusa tree scoring")
             if self.lm.medusa is None and scoring.medusa_top_k:
                 raise InvalidArgument("scoring.medusa_top_k", "this service has no Medusa heads (--medusa)")
+            if isinstance(self.lm.medusa, FeatureDrafter) and scoring.medusa_top_k:
+                raise InvalidArgument("scoring.medusa_top_k", "this service's heads are a feature drafter: its drafts come with tree_topk")
         # One branch on a service with heads keeps the hidden states (for `tree_topk`) too,
         # unless the attention statistics need the plain forward.
         keep_hidden = (
@@ -713,7 +741,7 @@ class EngineSession:
                 self.tree_hidden = hidden  # [nodes, hidden]
             else:
                 self.last_hidden = hidden[-1]  # the scored positions end at the last token
-            if scoring.medusa_top_k and self.lm.medusa is not None:
+            if scoring.medusa_top_k and isinstance(self.lm.medusa, MedusaHeads):
                 with torch.inference_mode():
                     top = self.lm.medusa.top_ids(hidden, scoring.medusa_top_k)  # [positions, heads, top_k]
                 medusa_ids = top.to(torch.int32).cpu()

@@ -1,0 +1,225 @@
+"""A draft head on the target's own features: one decoder layer that drafts a chain of tokens from
+the target's final hidden states (EAGLE, Li et al. 2024, "EAGLE: Speculative Sampling Requires
+Rethinking Feature Uncertainty", arXiv:2401.15077).
+
+Slot j of its sequence reads the target's final-normed hidden state f_j at position j and the
+embedding of the token x_{j+1} that followed it; its output predicts f_{j+1}, and its head scores
+x_{j+2} from that prediction. Deeper drafts feed its own predicted feature back in. Unlike Medusa
+heads, each depth conditions on the tokens drafted before it, so the chain stays coherent.
+
+It serves as the target service's heads (`--medusa DIR`): the service keeps each session's slots
+for committed positions (`FeatureDrafterState`) and drafts a round's tree from them; the
+orchestrator's Medusa rounds and their acceptance rules are unchanged, so every output stays the
+target's. Its head scores `head_vocab` frequent ids (`vocab_ids`), initialised from the target's
+output embedding; its token embedding is the target's input embedding, bound at load, not stored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+CONFIG_NAME = "feature_drafter_config.json"
+WEIGHTS_NAME = "feature_drafter.safetensors"
+
+
+@dataclass(frozen=True)
+class FeatureDrafterConfig:
+    hidden_size: int
+    vocab_size: int
+    head_vocab: int  # ids its head scores (`vocab_ids`)
+    num_heads: int = 10
+    num_kv_heads: int = 2
+    intermediate_size: int = 2048
+    max_depth: int = 6  # the longest chain it drafts: what `Info.medusa_heads` reports
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def for_target(cls, hidden_size: int, vocab_size: int, head_vocab: int, max_depth: int) -> FeatureDrafterConfig:
+        """One layer shaped after the target's width: heads of 64 (one where the width is less),
+        two KV heads where they divide, an MLP 3.2 times as wide (Gemma-3-270M: 10, 2, 2048)."""
+        heads = hidden_size // 64 if hidden_size % 64 == 0 and hidden_size >= 64 else 1
+        kv_heads = 2 if heads % 2 == 0 else 1
+        intermediate = max(32, round(hidden_size * 3.2 / 32) * 32)
+        return cls(hidden_size, vocab_size, head_vocab, heads, kv_heads, intermediate, max_depth)
+
+
+def is_feature_drafter(directory: str | Path) -> bool:
+    return (Path(directory) / CONFIG_NAME).is_file()
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (Su et al. 2021), half-split layout. x: [..., T, d]; positions: [T]."""
+    half = x.shape[-1] // 2
+    inverse = theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)  # [d/2]
+    angles = positions.to(x.device, torch.float32)[:, None] * inverse[None]  # [T, d/2]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    first, second = x[..., :half], x[..., half:]
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+
+
+@dataclass
+class Slots:
+    """Keys and values of a drafter's slots: [kv_heads, S, head_dim] each, and their positions [S]."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+
+    def extend(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> Slots:
+        return Slots(torch.cat([self.keys, keys], 1), torch.cat([self.values, values], 1),
+                     torch.cat([self.positions, positions]))
+
+    def before(self, position: int) -> Slots:
+        """The slots at positions < `position`."""
+        keep = int((self.positions < position).sum())
+        return Slots(self.keys[:, :keep], self.values[:, :keep], self.positions[:keep])
+
+
+class FeatureDrafter(nn.Module):
+    """[T] features and next tokens → [T] predicted next features; `scores` maps them to logits."""
+
+    vocab_ids: torch.Tensor  # [head_vocab] long: the target ids its head scores
+
+    def __init__(self, config: FeatureDrafterConfig, vocab_ids: torch.Tensor) -> None:
+        super().__init__()
+        self.config = config
+        width, heads, kv_heads = config.hidden_size, config.num_heads, config.num_kv_heads
+        if width % heads or heads % kv_heads:
+            raise ValueError(f"feature drafter: hidden {width}, {heads} heads, {kv_heads} kv heads do not divide")
+        self.head_dim = width // heads
+        self.feature_norm, self.token_norm = nn.RMSNorm(width), nn.RMSNorm(width)
+        self.fuse = nn.Linear(2 * width, width, bias=False)
+        self.attention_norm, self.mlp_norm = nn.RMSNorm(width), nn.RMSNorm(width)
+        self.q_proj = nn.Linear(width, width, bias=False)
+        self.k_proj = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(width, width, bias=False)
+        self.gate_proj = nn.Linear(width, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(width, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, width, bias=False)
+        self.out_scale = nn.Parameter(torch.ones(width))
+        self.head = nn.Linear(width, config.head_vocab, bias=False)
+        ids = vocab_ids.long()
+        if ids.shape != (config.head_vocab,) or not bool(((ids >= 0) & (ids < config.vocab_size)).all()):
+            raise ValueError(f"feature drafter vocab_ids: {config.head_vocab} ids in [0, {config.vocab_size}) expected")
+        self.register_buffer("vocab_ids", ids)
+        self.embedding: torch.Tensor | None = None  # [vocab, hidden]: the target's, `bind`
+
+    @property
+    def num_heads(self) -> int:
+        """The deepest node it drafts (the orchestrator's trees are cut there, as for Medusa heads)."""
+        return self.config.max_depth
+
+    def bind(self, embedding: torch.Tensor) -> None:
+        """Read token embeddings from the target's input embedding [vocab, hidden] (not copied)."""
+        if tuple(embedding.shape) != (self.config.vocab_size, self.config.hidden_size):
+            raise ValueError(f"feature drafter: embedding {tuple(embedding.shape)}, expected "
+                             f"{(self.config.vocab_size, self.config.hidden_size)}")
+        self.embedding = embedding.detach()
+
+    def forward(
+        self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, past: Slots | None = None
+    ) -> tuple[torch.Tensor, Slots]:
+        """features [B, T, H], tokens [B, T] (x_{j+1} for slot j), positions [T] → predicted
+        f_{j+1} [B, T, H] and the slots with these appended (B = 1 when `past` is given)."""
+        assert self.embedding is not None, "bind the target's embedding first"
+        batch, steps, _ = features.shape
+        embedded = self.embedding[tokens.to(self.embedding.device)].to(features.dtype)  # [B, T, H]
+        x = self.fuse(torch.cat([self.feature_norm(features), self.token_norm(embedded)], dim=-1))  # [B, T, H]
+        h = self.attention_norm(x)
+        kv_heads, dim = self.config.num_kv_heads, self.head_dim
+        q = rotate(self.q_proj(h).view(batch, steps, -1, dim).transpose(1, 2), positions, self.config.rope_theta)
+        k = rotate(self.k_proj(h).view(batch, steps, kv_heads, dim).transpose(1, 2), positions, self.config.rope_theta)
+        v = self.v_proj(h).view(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, kv, T, d]
+        if past is None:
+            slots = Slots(k[0], v[0], positions) if batch == 1 else Slots(k[0][:, :0], v[0][:, :0], positions[:0])
+            keys, values, key_positions = k, v, positions
+        else:
+            slots = past.extend(k[0], v[0], positions)
+            keys, values, key_positions = slots.keys[None], slots.values[None], slots.positions
+        # Causal by position; one new slot after its predecessors' sees them all (no mask).
+        allowed = None if steps == 1 else (key_positions[None, :] <= positions[:, None]).to(q.device)  # [T, S]
+        out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=True)  # [B, heads, T, d]
+        x = x + self.o_proj(out.transpose(1, 2).reshape(batch, steps, -1))
+        m = self.mlp_norm(x)
+        x = x + self.down_proj(nn.functional.silu(self.gate_proj(m)) * self.up_proj(m))
+        return x * self.out_scale, slots
+
+    def get_output_embeddings(self) -> nn.Linear:
+        """Its head, where quantisation looks for an output layer (`mixed` gives it 4 bits)."""
+        return self.head
+
+    def scores(self, predicted: torch.Tensor) -> torch.Tensor:
+        """[..., head_vocab] logits over `vocab_ids` from predicted features [..., H]."""
+        return self.head(predicted)
+
+    def save(self, directory: str | Path) -> None:
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {name: (t.to(torch.float16) if t.is_floating_point() else t).detach().contiguous()
+                 for name, t in self.state_dict().items()}
+        save_file(state, str(out / WEIGHTS_NAME))
+        (out / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: str | Path) -> FeatureDrafter:
+        path = Path(directory)
+        config = FeatureDrafterConfig(**json.loads((path / CONFIG_NAME).read_text()))
+        state = load_file(str(path / WEIGHTS_NAME))
+        drafter = cls(config, state["vocab_ids"])
+        drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+        return drafter.eval()
+
+
+@dataclass
+class FeatureDrafterState:
+    """One session's drafter slots over committed positions, and the committed features that wait
+    for their next token (known once the round's root is decided)."""
+
+    slots: Slots | None = None
+    pending_start: int = 0
+    pending: list[torch.Tensor] = field(default_factory=list)  # [H] each, positions pending_start…
+
+    def commit(self, start: int, features: torch.Tensor) -> None:
+        """Features [m, H] of committed positions start…start+m−1 (contiguous with any pending)."""
+        if not self.pending or self.pending_start + len(self.pending) != start:
+            self.pending, self.pending_start = [], start
+        if self.slots is not None:  # a forward that went back over slotted positions
+            self.slots = self.slots.before(start)
+        self.pending.extend(features.unbind(0))
+
+    def cut(self, length: int) -> None:
+        """Tokens now end at `length`: slot j reads x_{j+1}, so slots from length − 1 on go."""
+        if self.slots is not None:
+            self.slots = self.slots.before(length - 1)
+        keep = max(0, min(len(self.pending), length - self.pending_start))
+        self.pending = self.pending[:keep]
+
+    @torch.inference_mode()
+    def draft(self, drafter: FeatureDrafter, tokens: torch.Tensor, root: int, depth: int, top_k: int) -> torch.Tensor:
+        """[depth, top_k] target ids: each depth's best ids along the drafter's greedy chain.
+
+        tokens: [length] the committed tokens; `root` follows them. The pending features become
+        slots (their next tokens are committed or the root); the chain's own slots are dropped."""
+        length = int(tokens.shape[0])
+        if not self.pending or self.pending_start + len(self.pending) != length:
+            raise ValueError("no feature at the last committed token")
+        start = self.pending_start
+        following = torch.cat([tokens[start + 1 :], torch.tensor([root], dtype=torch.long)])  # [m]
+        features = torch.stack(self.pending)[None].float()  # [1, m, H]
+        positions = torch.arange(start, length)
+        predicted, self.slots = drafter(features, following[None], positions, self.slots)
+        self.pending = []
+        chain, past, best = predicted[:, -1:], self.slots, []
+        for level in range(depth):
+            top = drafter.scores(chain[0, -1]).topk(top_k).indices  # [top_k] drafter ids
+            best.append(drafter.vocab_ids[top])
+            if level + 1 < depth:
+                chain, past = drafter(chain, best[-1][:1][None], torch.tensor([length + level]), past)
+        return torch.stack(best)  # [depth, top_k]
