@@ -352,3 +352,23 @@ def test_startup_time_measures_start_restart_and_drain(
     assert 1.0 <= drain["target_holding_a_session_s"] < 1.0 + 3  # it waited for the session, the grace
     assert drain["draft_idle_s"] < STOP_WITHIN_S and drain["orchestrator_idle_s"] < STOP_WITHIN_S
     assert set(report["median"]) >= {"cold_stack_s", "warm_stack_s", "restart_s"}
+
+
+def test_the_forward_threads_end_before_the_interpreter_finalises(llama_target_dir: Path) -> None:
+    """A forward thread that ended during finalisation, its engine's last reference with it,
+    freed tensors where the GIL can no longer be taken: the process aborted at exit. The exit
+    hook ends every forward thread first, idle or not, its engine still referenced or not."""
+    from specwire.engine import scheduler as scheduler_module
+    from tests.conftest import load_engine
+
+    engine = load_engine(llama_target_dir, "target")
+    session = engine.new_session()
+    session.open(OpenRequest([5, 17, 42]))
+    session.close()
+    threads = [t for t in list(scheduler_module._FORWARD_THREADS) if t.is_alive()]
+    assert threads, "the forward just run left its thread waiting for work"
+    del engine, session
+    scheduler_module._end_forward_threads()
+    assert not any(thread.is_alive() for thread in threads)
+    for other in list(scheduler_module._SCHEDULERS):  # the session's other engines serve on
+        other._exiting = False

@@ -19,6 +19,7 @@ background compiler's thread ends when it has nothing to compile.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import glob
@@ -28,6 +29,7 @@ import queue
 import statistics
 import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -135,6 +137,8 @@ class Scheduler:
         self._arrived = threading.Condition(self._mutex)
         self._queue: list[ForwardJob] = []
         self._worker: threading.Thread | None = None  # runs every forward (`_run_forwards`)
+        self._exiting = False  # the interpreter is exiting: the forward thread ends now (`_end_forward_threads`)
+        _SCHEDULERS.add(self)
         self._threads = torch.get_num_threads()  # the forward thread's, as set where the engine is made
         head = getattr(model, "lm_head", None)
         self._trimmed_head = head if isinstance(head, TargetVocabHead) else None  # forwards give its K logits
@@ -411,6 +415,7 @@ class Scheduler:
             self._arrived.notify_all()
             if self._worker is None:
                 self._worker = threading.Thread(target=self._run_forwards, name="specwire-forward", daemon=True)
+                _FORWARD_THREADS.add(self._worker)
                 self._worker.start()
         job._wake.wait()
         if job.error is not None:
@@ -451,7 +456,9 @@ class Scheduler:
         idle_exit_s = IDLE_EXIT_S if self.device.type != "cuda" else None
         while True:
             with self._mutex:
-                if not self._arrived.wait_for(lambda: bool(self._queue), timeout=idle_exit_s):
+                if not self._arrived.wait_for(lambda: bool(self._queue) or self._exiting, timeout=idle_exit_s) or (
+                    self._exiting and not self._queue
+                ):
                     self._worker = None
                     return
                 if self._awaited:
@@ -679,6 +686,23 @@ class Shape:
     keep: int
     metrics: bool = False
     steps: bool = False
+
+
+_SCHEDULERS: weakref.WeakSet[Scheduler] = weakref.WeakSet()
+_FORWARD_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+@atexit.register
+def _end_forward_threads() -> None:
+    """End the forward threads before the interpreter finalises. One that ended later, its
+    scheduler's last reference with it, would free tensors in a thread that can no longer take
+    the GIL: the process aborts ("terminate called without an active exception")."""
+    for scheduler in list(_SCHEDULERS):
+        with scheduler._mutex:
+            scheduler._exiting = True
+            scheduler._arrived.notify_all()
+    for thread in list(_FORWARD_THREADS):
+        thread.join(timeout=IDLE_EXIT_S)
 
 
 def compute_on(threads: int) -> None:
