@@ -111,6 +111,7 @@ from typing import Any
 from specwire.bench import llamacpp
 from specwire.bench.report import render
 from specwire.client.launcher import Stack, StackConfig, free_base_port
+from specwire.client.pair import pair_heads
 from specwire.orchestrator.speedup import alpha_estimate, predicted_speedup
 
 from specwire.demo import demo_draft_dir, demo_medusa_dir, demo_target_dir
@@ -1150,10 +1151,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def _default_medusa(target: str) -> str | None:
     """The demo target's shipped heads with the demo target; else a target's own `specwire pair`
-    heads (DIR/medusa) if it has them."""
-    demo = Path(target).resolve() == demo_target_dir().resolve()
-    heads = demo_medusa_dir() if demo else Path(target) / "medusa"
-    return str(heads) if (heads / "medusa_config.json").is_file() else None
+    heads if it has them (`pair_heads`)."""
+    if Path(target).resolve() == demo_target_dir().resolve():
+        return str(demo_medusa_dir())
+    return pair_heads(Path(target))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -543,7 +543,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if not (built / "draft" / "config.json").exists():
             raise SystemExit(f"--pair {args.pair}: run `specwire pair {args.pair}` first ({built} has no draft)")
         args.target_model, args.draft_model = str(built), str(built / "draft")
-        args.medusa = args.medusa or (str(built / "medusa") if (built / "medusa").is_dir() else None)
+        args.medusa = args.medusa or pair.pair_heads(built)
     with Stack(_stack_config(args)) as stack:
         print(f"starting draft, target and orchestrator on the {args.pair or 'demo'} pair…", flush=True)
         stack.start()

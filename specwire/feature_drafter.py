@@ -17,6 +17,8 @@ output embedding; its token embedding is the target's input embedding, bound at 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -26,6 +28,8 @@ from torch import nn
 
 CONFIG_NAME = "feature_drafter_config.json"
 WEIGHTS_NAME = "feature_drafter.safetensors"
+
+log = logging.getLogger("specwire")
 
 
 @dataclass(frozen=True)
@@ -71,10 +75,6 @@ class Slots:
     values: torch.Tensor
     positions: torch.Tensor
 
-    def extend(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> Slots:
-        return Slots(torch.cat([self.keys, keys], 1), torch.cat([self.values, values], 1),
-                     torch.cat([self.positions, positions]))
-
     def before(self, position: int) -> Slots:
         """The slots at positions < `position`."""
         keep = int((self.positions < position).sum())
@@ -110,6 +110,7 @@ class FeatureDrafter(nn.Module):
             raise ValueError(f"feature drafter vocab_ids: {config.head_vocab} ids in [0, {config.vocab_size}) expected")
         self.register_buffer("vocab_ids", ids)
         self.embedding: torch.Tensor | None = None  # [vocab, hidden]: the target's, `bind`
+        self._compiled: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None  # `compile_steps`
 
     @property
     def num_heads(self) -> int:
@@ -128,28 +129,68 @@ class FeatureDrafter(nn.Module):
     ) -> tuple[torch.Tensor, Slots]:
         """features [B, T, H], tokens [B, T] (x_{j+1} for slot j), positions [T] → predicted
         f_{j+1} [B, T, H] and the slots with these appended (B = 1 when `past` is given)."""
+        if past is None:
+            out, keys, values = self._layer(features, tokens, positions, None, None, None)
+            if features.shape[0] == 1:
+                return out, Slots(keys[0], values[0], positions)
+            return out, Slots(keys[0][:, :0], values[0][:, :0], positions[:0])
+        if self._compiled is not None:  # contiguous: a compiled graph is specialised on strides
+            out, keys, values = self._compiled(*(t.contiguous() for t in (features, tokens, positions, past.keys,
+                                                                          past.values, past.positions)))
+        else:
+            out, keys, values = self._layer(features, tokens, positions, past.keys, past.values, past.positions)
+        return out, Slots(keys, values, torch.cat([past.positions, positions]))
+
+    def _layer(
+        self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+        past_keys: torch.Tensor | None, past_values: torch.Tensor | None, past_positions: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer on new slots after past ones ([kv, S, d] each, positions [S]): the predicted
+        features [B, T, H] and the keys and values, [kv, S + T, d] after past ones, else [B, kv, T, d]."""
         assert self.embedding is not None, "bind the target's embedding first"
         batch, steps, _ = features.shape
         embedded = self.embedding[tokens.to(self.embedding.device)].to(features.dtype)  # [B, T, H]
         x = self.fuse(torch.cat([self.feature_norm(features), self.token_norm(embedded)], dim=-1))  # [B, T, H]
         h = self.attention_norm(x)
-        kv_heads, dim = self.config.num_kv_heads, self.head_dim
-        q = rotate(self.q_proj(h).view(batch, steps, -1, dim).transpose(1, 2), positions, self.config.rope_theta)
-        k = rotate(self.k_proj(h).view(batch, steps, kv_heads, dim).transpose(1, 2), positions, self.config.rope_theta)
+        kv_heads, dim, theta = self.config.num_kv_heads, self.head_dim, self.config.rope_theta
+        q = rotate(self.q_proj(h).view(batch, steps, -1, dim).transpose(1, 2), positions, theta)
+        k = rotate(self.k_proj(h).view(batch, steps, kv_heads, dim).transpose(1, 2), positions, theta)
         v = self.v_proj(h).view(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, kv, T, d]
-        if past is None:
-            slots = Slots(k[0], v[0], positions) if batch == 1 else Slots(k[0][:, :0], v[0][:, :0], positions[:0])
-            keys, values, key_positions = k, v, positions
-        else:
-            slots = past.extend(k[0], v[0], positions)
-            keys, values, key_positions = slots.keys[None], slots.values[None], slots.positions
+        keys, values, key_positions = k, v, positions
+        if past_keys is not None and past_values is not None and past_positions is not None:
+            keys, values = torch.cat([past_keys, k[0]], 1), torch.cat([past_values, v[0]], 1)  # [kv, S + T, d]
+            key_positions = torch.cat([past_positions, positions])
         # Causal by position; one new slot after its predecessors' sees them all (no mask).
         allowed = None if steps == 1 else (key_positions[None, :] <= positions[:, None]).to(q.device)  # [T, S]
-        out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=True)  # [B, heads, T, d]
+        attended = keys if keys.dim() == 4 else keys[None]
+        out = nn.functional.scaled_dot_product_attention(
+            q, attended, values if values.dim() == 4 else values[None], attn_mask=allowed, enable_gqa=True
+        )  # [B, heads, T, d]
         x = x + self.o_proj(out.transpose(1, 2).reshape(batch, steps, -1))
         m = self.mlp_norm(x)
         x = x + self.down_proj(nn.functional.silu(self.gate_proj(m)) * self.up_proj(m))
-        return x * self.out_scale, slots
+        return x * self.out_scale, keys, values
+
+    def compile_steps(self) -> bool:
+        """Compile the serving step (one session's new slots after its past ones, any count of
+        either) for the calling thread's torch threads; eager it stays where that fails."""
+        try:
+            self._compiled = torch.compile(self._layer, dynamic=True)
+            width, state = self.config.hidden_size, FeatureDrafterState()
+            state.commit(0, torch.zeros(8, width))
+            tokens = torch.zeros(32, dtype=torch.long)
+            state.draft(self, tokens[:8], 0, 1, 1)  # the prompt's slots, eager
+            # Rounds as a session runs them: accepted paths of 1 to 3 tokens, then chain steps
+            # (dynamo specialises on the first count of slots, then compiles for any).
+            for accepted in (1, 2, 3, 1, 2, 3):
+                length = int(state.slots.positions[-1]) + 1 + accepted if state.slots is not None else 8
+                state.commit(length - accepted, torch.zeros(accepted, width))
+                state.draft(self, tokens[:length], 0, 3, 1)
+        except Exception as error:  # serve eagerly
+            log.warning("feature drafter: torch.compile failed, drafting eagerly: %s: %s", type(error).__name__, error)
+            self._compiled = None
+            return False
+        return True
 
     def get_output_embeddings(self) -> nn.Linear:
         """Its head, where quantisation looks for an output layer (`mixed` gives it 4 bits)."""

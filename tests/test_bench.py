@@ -506,7 +506,8 @@ def test_llamacpp_row_runs_the_targets_gguf(models_dir: Path, tokenizer: Any) ->
 
 
 def test_a_targets_own_pair_supplies_the_bench_draft_and_medusa_heads(tmp_path: Path) -> None:
-    """`specwire pair` leaves DIR/draft and DIR/medusa: the bench takes them without flags."""
+    """`specwire pair` leaves DIR/draft, DIR/medusa and DIR/feature-drafter: the bench takes them
+    without flags, the feature drafter before the Medusa heads."""
     from specwire.demo import demo_medusa_dir, demo_target_dir
 
     target = tmp_path / "target"
@@ -518,4 +519,7 @@ def test_a_targets_own_pair_supplies_the_bench_draft_and_medusa_heads(tmp_path: 
     (target / "medusa" / "medusa_config.json").write_text("{}")
     assert bench.default_models(str(target), None) == (str(target), str(target / "draft"))
     assert bench._default_medusa(str(target)) == str(target / "medusa")
+    (target / "feature-drafter").mkdir()
+    (target / "feature-drafter" / "feature_drafter_config.json").write_text("{}")
+    assert bench._default_medusa(str(target)) == str(target / "feature-drafter")  # drafts more a round
     assert bench._default_medusa(str(demo_target_dir())) == str(demo_medusa_dir())

@@ -173,3 +173,21 @@ def test_slots_drafted_step_by_step_equal_one_pass(llama_target_dir: Path, draft
         second, slots = drafter(features[:, 4:], tokens[:, 4:], torch.arange(4, 9), slots)
     torch.testing.assert_close(torch.cat([first, second], 1), whole, atol=1e-5, rtol=1e-5)
     assert slots.keys.shape[1] == 9 and slots.before(6).keys.shape[1] == 6
+
+
+def test_the_compiled_step_drafts_what_the_eager_one_does(llama_target_dir: Path, drafter_dir: Path) -> None:
+    """`compile_steps` (what a compiling target service runs once its forward is compiled): the slots
+    and predictions of a round's steps, any count of new and past slots, as eager."""
+    drafter = FeatureDrafter.load(drafter_dir)
+    drafter.bind(hf_model(llama_target_dir).get_input_embeddings().weight)
+    torch.manual_seed(4)
+    features, tokens = torch.randn(1, 12, drafter.config.hidden_size), torch.randint(0, 320, (1, 12))
+    with torch.inference_mode():
+        _, past = drafter(features[:, :5], tokens[:, :5], torch.arange(5))
+        eager = [drafter(features[:, 5:5 + n], tokens[:, 5:5 + n], torch.arange(5, 5 + n), past) for n in (1, 2, 4)]
+        assert drafter.compile_steps()
+        compiled = [drafter(features[:, 5:5 + n], tokens[:, 5:5 + n], torch.arange(5, 5 + n), past) for n in (1, 2, 4)]
+    for (out, slots), (expected, expected_slots) in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(slots.keys, expected_slots.keys, atol=1e-4, rtol=1e-4)
+        assert torch.equal(slots.positions, expected_slots.positions)

@@ -22,8 +22,9 @@ from specwire.engine.batch_costs import CURVE_POSITIONS
 from specwire.engine.cache import SLACK, SlotCache
 from specwire.engine.forward import LeanModel, lean_model
 from specwire.engine.model import CausalLM
-from specwire.engine.scheduler import Scheduler
+from specwire.engine.scheduler import Scheduler, compute_on
 from specwire.engine.session import DynamicKV, EngineSession, SessionKV, SlotKV
+from specwire.feature_drafter import FeatureDrafter
 from specwire.session import ModelInfo, OpenRequest, ScoreKind, Scoring, StepRequest
 from specwire.tokenizer import tokenizer_fingerprint
 
@@ -186,6 +187,11 @@ class Engine:
         and the batches' costs are learnt again."""
         if self.scheduler is not None:
             self.scheduler.costs.clear()
+        if isinstance(self.lm.medusa, FeatureDrafter):  # its steps run on a session's thread, at one
+            threads = torch.get_num_threads()
+            compute_on(1)
+            self.lm.medusa.compile_steps()
+            compute_on(threads)
         if self._forward_costs:
             self._forward_costs, self._decode_ms_per_token = self.measure_costs()
 
