@@ -177,14 +177,15 @@ class FeatureDrafter(nn.Module):
         try:
             self._compiled = torch.compile(self._layer, dynamic=True)
             width, state = self.config.hidden_size, FeatureDrafterState()
-            state.commit(0, torch.zeros(8, width))
+            like = self.out_scale  # the drafter's device and dtype (its linears may be quantised)
+            state.commit(0, like.new_zeros(8, width))
             tokens = torch.zeros(32, dtype=torch.long)
             state.draft(self, tokens[:8], 0, 1, 1)  # the prompt's slots, eager
             # Rounds as a session runs them: accepted paths of 1 to 3 tokens, then chain steps
             # (dynamo specialises on the first count of slots, then compiles for any).
             for accepted in (1, 2, 3, 1, 2, 3):
                 length = int(state.slots.positions[-1]) + 1 + accepted if state.slots is not None else 8
-                state.commit(length - accepted, torch.zeros(accepted, width))
+                state.commit(length - accepted, like.new_zeros(accepted, width))
                 state.draft(self, tokens[:length], 0, 3, 1)
         except Exception as error:  # serve eagerly
             log.warning("feature drafter: torch.compile failed, drafting eagerly: %s: %s", type(error).__name__, error)
@@ -253,7 +254,7 @@ class FeatureDrafterState:
             raise ValueError("no feature at the last committed token")
         start = self.pending_start
         following = torch.cat([tokens[start + 1 :], torch.tensor([root], dtype=torch.long)])  # [m]
-        features = torch.stack(self.pending)[None].float()  # [1, m, H]
+        features = torch.stack(self.pending)[None].to(drafter.out_scale.dtype)  # [1, m, H]
         positions = torch.arange(start, length)
         predicted, self.slots = drafter(features, following[None], positions, self.slots)
         self.pending = []
