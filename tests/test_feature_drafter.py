@@ -191,3 +191,18 @@ def test_the_compiled_step_drafts_what_the_eager_one_does(llama_target_dir: Path
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(slots.keys, expected_slots.keys, atol=1e-4, rtol=1e-4)
         assert torch.equal(slots.positions, expected_slots.positions)
+
+
+def test_a_bfloat16_target_drafts_with_its_drafter_in_bfloat16(llama_target_dir: Path, drafter_dir: Path) -> None:
+    """The drafter takes the target's dtype (`attach_medusa`), and the features it is fed too."""
+    lm = CausalLM.load(str(llama_target_dir), device="cpu", dtype="bfloat16")
+    lm.attach_medusa(str(drafter_dir))
+    engine = Engine(lm, "target", EngineLimits(batching=True))
+    session = engine.new_session()
+    session.open(OpenRequest(PROMPT, scoring=Scoring(ScoreKind.ARGMAX, positions=1)))
+    chain = build_tree([[0], [0, 0], [0, 0, 0]])
+    for kept in ([], [0, 1]):
+        result = session.step(StepRequest(tree_keep=kept, append_ids=[3], tree_parents=chain.parents, tree_topk=[0, 0, 0],
+                                          scoring=Scoring(ScoreKind.ARGMAX, positions=chain.size)))
+        assert result.tree_ids is not None and len(result.tree_ids) == chain.size
+        assert all(0 <= int(token) < lm.vocab_size for token in result.tree_ids)
