@@ -633,6 +633,7 @@ class EngineSession:
 
     def close(self) -> None:
         self.tree_start = None
+        self.drafter = FeatureDrafterState()
         self.kv.close()
         self.tokens = torch.empty((1, 0), dtype=torch.long)
 
