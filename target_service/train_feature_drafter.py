@@ -21,28 +21,20 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from specwire.target_service.train_medusa import set_learning_rate
+from specwire.target_service.train_medusa import cached_target, set_learning_rate
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specwire import teacher_cache
 from specwire.feature_drafter import FeatureDrafter, FeatureDrafterConfig
 from specwire.medusa import CHOICES_NAME
-from specwire.sparse_distill import coarse_kl, draft_vocabulary, sparse_targets
+from specwire.sparse_distill import coarse_kl, sparse_targets
 
 FEATURE_NOISE = 0.05  # × the cached features' standard deviation
 SCORE_WEIGHT = 0.1
 
 
 def train_feature_drafter(args: argparse.Namespace) -> dict[str, Any]:
-    cache, corpus = teacher_cache.build_from_args(args, Path(args.model), Path(args.teacher_cache), hidden=True)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
-    model: Any = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    config = model.config.get_text_config()
-    config.eos_token_id = model.generation_config.eos_token_id or config.eos_token_id
-    vocab = draft_vocabulary(corpus.train_stream, args.vocab_top or 16384, config, tokenizer)
+    cache, _, model, vocab = cached_target(args, args.vocab_top or 16384)
+    assert vocab is not None
     ids = torch.tensor(vocab.ids)
     embedding = model.get_input_embeddings().weight.detach()  # [V, H]
     head = model.get_output_embeddings().weight.detach()[ids].clone()  # [K, H]

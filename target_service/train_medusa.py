@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specwire import teacher_cache
 from specwire.demo import demo_target_dir
 from specwire.demo.train_pair import encode_stream, load_corpus, windows
+from specwire.engine.trimmed_vocab import TrimmedVocab
 from specwire.medusa import MedusaConfig, MedusaHeads
 from specwire.sparse_distill import coarse_kl, draft_vocabulary, sparse_targets
 
@@ -137,10 +138,11 @@ def new_heads(args: argparse.Namespace, lm_head: torch.Tensor, vocab_ids: torch.
     return heads
 
 
-def train_from_cache(args: argparse.Namespace) -> dict[str, Any]:
-    """Self-distillation from a teacher cache (`specwire.teacher_cache`, with hidden states): no base
-    forward per step. Head k at position t learns the base's cached top-k distribution at t+k+1
-    through the coarsened KL of `specwire.sparse_distill`, over the `--vocab-top` ids."""
+def cached_target(
+    args: argparse.Namespace, vocab_top: int
+) -> tuple[teacher_cache.TeacherCache, teacher_cache.CorpusWindows, Any, TrimmedVocab | None]:
+    """The teacher cache (built, with hidden states, if missing), its corpus, the float32 target,
+    and the `vocab_top` ids most frequent in the training text (None for 0); seeds and threads set."""
     cache, corpus = teacher_cache.build_from_args(args, Path(args.model), Path(args.teacher_cache), hidden=True)
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -148,7 +150,15 @@ def train_from_cache(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     config = model.config.get_text_config()
     config.eos_token_id = model.generation_config.eos_token_id or config.eos_token_id
-    vocab = draft_vocabulary(corpus.train_stream, args.vocab_top, config, tokenizer) if args.vocab_top else None
+    vocab = draft_vocabulary(corpus.train_stream, vocab_top, config, tokenizer) if vocab_top else None
+    return cache, corpus, model, vocab
+
+
+def train_from_cache(args: argparse.Namespace) -> dict[str, Any]:
+    """Self-distillation from a teacher cache (`specwire.teacher_cache`, with hidden states): no base
+    forward per step. Head k at position t learns the base's cached top-k distribution at t+k+1
+    through the coarsened KL of `specwire.sparse_distill`, over the `--vocab-top` ids."""
+    cache, corpus, model, vocab = cached_target(args, args.vocab_top)
     lm_head = model.get_output_embeddings().weight.detach()
     heads = new_heads(args, lm_head, None if vocab is None else torch.tensor(vocab.ids))
     del model, lm_head
