@@ -139,14 +139,14 @@ class FeatureDrafter(nn.Module):
                                                                           past.values, past.positions)))
         else:
             out, keys, values = self._layer(features, tokens, positions, past.keys, past.values, past.positions)
-        return out, Slots(keys, values, torch.cat([past.positions, positions]))
+        return out, Slots(keys[0], values[0], torch.cat([past.positions, positions]))
 
     def _layer(
         self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
         past_keys: torch.Tensor | None, past_values: torch.Tensor | None, past_positions: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer on new slots after past ones ([kv, S, d] each, positions [S]): the predicted
-        features [B, T, H] and the keys and values, [kv, S + T, d] after past ones, else [B, kv, T, d]."""
+        features [B, T, H] and the keys and values of the past and new slots, [B, kv, S + T, d]."""
         assert self.embedding is not None, "bind the target's embedding first"
         batch, steps, _ = features.shape
         embedded = self.embedding[tokens.to(self.embedding.device)].to(features.dtype)  # [B, T, H]
@@ -156,20 +156,17 @@ class FeatureDrafter(nn.Module):
         q = rotate(self.q_proj(h).view(batch, steps, -1, dim).transpose(1, 2), positions, theta)
         k = rotate(self.k_proj(h).view(batch, steps, kv_heads, dim).transpose(1, 2), positions, theta)
         v = self.v_proj(h).view(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, kv, T, d]
-        keys, values, key_positions = k, v, positions
+        key_positions = positions
         if past_keys is not None and past_values is not None and past_positions is not None:
-            keys, values = torch.cat([past_keys, k[0]], 1), torch.cat([past_values, v[0]], 1)  # [kv, S + T, d]
+            k, v = torch.cat([past_keys[None], k], 2), torch.cat([past_values[None], v], 2)  # [1, kv, S + T, d]
             key_positions = torch.cat([past_positions, positions])
         # Causal by position; one new slot after its predecessors' sees them all (no mask).
         allowed = None if steps == 1 else (key_positions[None, :] <= positions[:, None]).to(q.device)  # [T, S]
-        attended = keys if keys.dim() == 4 else keys[None]
-        out = nn.functional.scaled_dot_product_attention(
-            q, attended, values if values.dim() == 4 else values[None], attn_mask=allowed, enable_gqa=True
-        )  # [B, heads, T, d]
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)  # [B, heads, T, d]
         x = x + self.o_proj(out.transpose(1, 2).reshape(batch, steps, -1))
         m = self.mlp_norm(x)
         x = x + self.down_proj(nn.functional.silu(self.gate_proj(m)) * self.up_proj(m))
-        return x * self.out_scale, keys, values
+        return x * self.out_scale, k, v
 
     def compile_steps(self) -> bool:
         """Compile the serving step (one session's new slots after its past ones, any count of
