@@ -16,7 +16,8 @@ pure functions below. No draft service is involved.
 Acceptance rules, all over the same tree (node 0 the root; children tried in node order):
 - greedy: follow the child equal to the target's argmax; output = target-only greedy, exactly;
 - typical (Medusa-2, LOSSY): accept while p(x) > min(ε, δ·exp(−H(p)));
-- lossless sampling (`accept_tree_sampled`): the target's distribution exactly.
+- lossless sampling (`specwire.acceptance.accept_tree_sampled`): the target's distribution
+  exactly; decided in the target service (`Verify` with the tree), so p stays there.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from specwire.orchestrator.context import DecodeContext
 from specwire.orchestrator.params import parse_medusa_choices
 from specwire.orchestrator.sampling import choose
 
+from specwire.acceptance import accept_tree_sampled
 from specwire.errors import FailedPrecondition
 from specwire.medusa import TreeLayout, build_tree, tree_children, tree_path
 from specwire.processing import draw
-from specwire.session import OpenRequest, ScoreKind, Scores, Scoring, StepRequest
+from specwire.session import OpenRequest, ScoreKind, Scores, Scoring, StepRequest, Verification
 
 # The 24 paths of top-k indices with the highest measured match rates for the demo target and its
 # shipped heads, on greedy continuations of held-out stdlib files (`tune_medusa_tree`, docs/medusa.md).
@@ -98,57 +100,6 @@ def accept_tree_typical(
     return path, next_token
 
 
-def accept_tree_sampled(
-    node_tokens: torch.Tensor, parents: list[int], node_probs: torch.Tensor, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lossless sampling over a tree of deterministic candidates, for B independent draws.
-
-    At node v with target distribution p = p_v, try v's children c₁…c_m in order: accept c_j with
-    probability p(c_j) / Σp (u·Σp < p(c_j)); on rejection set p(c_j) = 0 and go on (Σp shrinks);
-    if every child is rejected, draw the next token from what is left of p; if a child is
-    accepted, continue from it with p_{c_j}; at a leaf, draw the bonus token from p_leaf.
-
-    Proof that every emitted token follows the target. Let T(p, c₁…c_m) be the token a node
-    emits. Claim: P(T = x) = p(x). For m = 0, T ~ p. For m ≥ 1: P(T = c₁) = p(c₁); if c₁ is
-    rejected (probability 1 − p(c₁)) the rest is T(p', c₂…c_m) with p' = p(·)·1[· ≠ c₁] /
-    (1 − p(c₁)), which by induction emits x ~ p', so P(T = x) = (1 − p(c₁))·p(x)/(1 − p(c₁)) =
-    p(x) for x ≠ c₁. When a child c is emitted the walk continues at c, whose p_c is the target's
-    distribution given the path so far, so by the chain rule every prefix of the output follows
-    the target (SpecInfer, Miao et al. 2023, Thm. 4.2, with one-hot draft distributions).
-
-    node_tokens: [n]; node_probs: [B, n, V] (an expanded view is fine). Returns last_node [B] (the end of
-    the accepted path; `tree_path` gives the path) and next_token [B].
-    """
-    children_lists = tree_children(parents)
-    width = max(len(c) for c in children_lists)
-    children = torch.full((len(parents), max(width, 1)), -1, dtype=torch.long)  # [n, max children]
-    for node, kids in enumerate(children_lists):
-        children[node, : len(kids)] = torch.tensor(kids, dtype=torch.long)
-    draws = node_probs.shape[0]
-    rows = torch.arange(draws)
-    at = torch.zeros(draws, dtype=torch.long)  # [B] the node each draw is at
-    probs = node_probs[rows, at].clone()  # [B, V], unnormalised as children are rejected
-    walking = torch.ones(draws, dtype=torch.bool)  # still at a node whose children are being tried
-    while bool(walking.any()):
-        moved = torch.zeros(draws, dtype=torch.bool)
-        for slot in range(width):
-            child = children[at, slot]  # [B]
-            trying = walking & ~moved & (child >= 0)
-            token = node_tokens[child.clamp_min(0)].long()  # [B]
-            p_child = probs.gather(1, token.unsqueeze(1)).squeeze(1)  # [B]
-            uniform = torch.rand(draws, generator=generator)
-            accept = trying & (uniform * probs.sum(dim=-1) < p_child)
-            reject = trying & ~accept
-            probs[reject, token[reject]] = 0.0
-            at = torch.where(accept, child, at)
-            if bool(accept.any()):
-                probs[accept] = node_probs[rows[accept], at[accept]]
-            moved |= accept
-        walking = moved
-    next_token = draw(probs, generator)  # [B]
-    return at, next_token
-
-
 def layout_for(choices: list[list[int]], heads: int, max_depth: int) -> TreeLayout:
     """The tree restricted to the heads there are and to paths of at most `max_depth` nodes."""
     return build_tree([c for c in choices if len(c) <= min(heads, max_depth)])
@@ -163,6 +114,9 @@ async def medusa(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
     choices = params.medusa_choices or tuned or DEFAULT_CHOICES
     full = layout_for(choices, info.medusa_heads, info.medusa_heads)
     kind = ScoreKind.PROBS if params.do_sample else ScoreKind.ARGMAX
+    # Lossless rounds are decided in the target when it can (`Verify` with the tree): p stays there
+    # instead of crossing the wire dense, a row of the vocabulary a node.
+    remote = params.do_sample and params.medusa_acceptance == "lossless" and "verify_tree" in info.capabilities
     target = ctx.target_session()
     with ctx.round(tree_size=1):
         opening = Scoring(kind, positions=1)
@@ -187,12 +141,17 @@ async def medusa(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
                     tree_parents=layout.parents,
                     tree_topk=layout.topk_index.tolist(),
                     scoring=Scoring(kind, positions=layout.size),
+                    verify=Verification(Scores(ScoreKind.PROBS), ctx.draw_seed()) if remote else None,
                     trace=ctx.trace(),
                 )
             )
-            assert result.scores is not None and result.tree_ids is not None
+            assert result.tree_ids is not None
             tokens = result.tree_ids.tolist()  # [n] the root, then the heads' candidates
-            path, root = _decide(ctx, torch.tensor(tokens), layout.parents, result.scores)
+            if result.verdict is not None:
+                path, root = list(result.verdict.tree_path), result.verdict.next_token
+            else:
+                assert result.scores is not None
+                path, root = _decide(ctx, torch.tensor(tokens), layout.parents, result.scores)
             accepted = len(path) - 1
             current.set(drafted=layout.size - 1, accepted=accepted)
         _count(ctx, layout, path)

@@ -1,8 +1,9 @@
-"""Speculative sampling's acceptance rule: a pure function over tensors.
+"""Speculative sampling's acceptance rules: pure functions over tensors.
 
 References: Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers via Speculative
 Decoding" (ICML, arXiv:2211.17192), Algorithm 1; Chen et al. 2023, "Accelerating Large Language
-Model Decoding with Speculative Sampling" (arXiv:2302.01318), Algorithm 2.
+Model Decoding with Speculative Sampling" (arXiv:2302.01318), Algorithm 2; over a tree of
+candidates, Miao et al. 2023, "SpecInfer" (arXiv:2305.09781), multi-draft speculative sampling.
 
 It lives in the shared core because it runs in two places: in the orchestrator (the dense
 protocol, where the target's p crosses the wire) and in the target service (`Step.verify`), where
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from specwire.medusa import tree_children
 from specwire.processing import draw
 
 
@@ -66,3 +68,54 @@ def accept_draft(
         draft_tokens.unsqueeze(0), draft_probs.unsqueeze(0), target_probs.unsqueeze(0), generator
     )
     return int(accepted_len[0]), int(next_token[0])
+
+
+def accept_tree_sampled(
+    node_tokens: torch.Tensor, parents: list[int], node_probs: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless sampling over a tree of deterministic candidates, for B independent draws.
+
+    At node v with target distribution p = p_v, try v's children c₁…c_m in order: accept c_j with
+    probability p(c_j) / Σp (u·Σp < p(c_j)); on rejection set p(c_j) = 0 and go on (Σp shrinks);
+    if every child is rejected, draw the next token from what is left of p; if a child is
+    accepted, continue from it with p_{c_j}; at a leaf, draw the bonus token from p_leaf.
+
+    Proof that every emitted token follows the target. Let T(p, c₁…c_m) be the token a node
+    emits. Claim: P(T = x) = p(x). For m = 0, T ~ p. For m ≥ 1: P(T = c₁) = p(c₁); if c₁ is
+    rejected (probability 1 − p(c₁)) the rest is T(p', c₂…c_m) with p' = p(·)·1[· ≠ c₁] /
+    (1 − p(c₁)), which by induction emits x ~ p', so P(T = x) = (1 − p(c₁))·p(x)/(1 − p(c₁)) =
+    p(x) for x ≠ c₁. When a child c is emitted the walk continues at c, whose p_c is the target's
+    distribution given the path so far, so by the chain rule every prefix of the output follows
+    the target (SpecInfer, Miao et al. 2023, Thm. 4.2, with one-hot draft distributions).
+
+    node_tokens: [n]; node_probs: [B, n, V] (an expanded view is fine). Returns last_node [B] (the end of
+    the accepted path; `tree_path` gives the path) and next_token [B].
+    """
+    children_lists = tree_children(parents)
+    width = max(len(c) for c in children_lists)
+    children = torch.full((len(parents), max(width, 1)), -1, dtype=torch.long)  # [n, max children]
+    for node, kids in enumerate(children_lists):
+        children[node, : len(kids)] = torch.tensor(kids, dtype=torch.long)
+    draws = node_probs.shape[0]
+    rows = torch.arange(draws)
+    at = torch.zeros(draws, dtype=torch.long)  # [B] the node each draw is at
+    probs = node_probs[rows, at].clone()  # [B, V], unnormalised as children are rejected
+    walking = torch.ones(draws, dtype=torch.bool)  # still at a node whose children are being tried
+    while bool(walking.any()):
+        moved = torch.zeros(draws, dtype=torch.bool)
+        for slot in range(width):
+            child = children[at, slot]  # [B]
+            trying = walking & ~moved & (child >= 0)
+            token = node_tokens[child.clamp_min(0)].long()  # [B]
+            p_child = probs.gather(1, token.unsqueeze(1)).squeeze(1)  # [B]
+            uniform = torch.rand(draws, generator=generator)
+            accept = trying & (uniform * probs.sum(dim=-1) < p_child)
+            reject = trying & ~accept
+            probs[reject, token[reject]] = 0.0
+            at = torch.where(accept, child, at)
+            if bool(accept.any()):
+                probs[accept] = node_probs[rows[accept], at[accept]]
+            moved |= accept
+        walking = moved
+    next_token = draw(probs, generator)  # [B]
+    return at, next_token

@@ -82,6 +82,7 @@ class Verdict:
 
     accepted_len: int
     next_token: int
+    tree_path: tuple[int, ...] = ()  # a tree's accepted nodes from the root; () for a chain
 
 
 @dataclass(frozen=True)

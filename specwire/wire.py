@@ -304,6 +304,7 @@ def result_to_pb(result: StepResult) -> model_pb2.SessionReply:
     if result.verdict is not None:
         reply.verdict.accepted_length = result.verdict.accepted_len
         reply.verdict.next_token = result.verdict.next_token
+        reply.verdict.tree_path.extend(result.verdict.tree_path)
     return reply
 
 
@@ -317,7 +318,8 @@ def result_from_pb(reply: model_pb2.SessionReply) -> StepResult:
         tree_ids=tensor_from_pb(reply.tree_ids) if reply.HasField("tree_ids") else None,
         alternative_ids=tensor_from_pb(reply.alternative_ids) if reply.HasField("alternative_ids") else None,
         verdict=(
-            Verdict(reply.verdict.accepted_length, reply.verdict.next_token) if reply.HasField("verdict") else None
+            Verdict(reply.verdict.accepted_length, reply.verdict.next_token, tuple(reply.verdict.tree_path))
+            if reply.HasField("verdict") else None
         ),
         timing=ServerTiming(
             queue_us=reply.timing.queue_us,

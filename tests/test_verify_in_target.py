@@ -1,6 +1,7 @@
 """Sampled rounds decided in the target (`Step.verify`): the same decision as the pure function on
-the target's own p, clear errors for a malformed q, and kilobytes on the wire at a 262k vocabulary.
-The distribution tests over gRPC (tests/test_losslessness.py) run through this path too."""
+the target's own p, for a chain of drafts and for a tree of candidates (Medusa), clear errors for
+a malformed q, and kilobytes on the wire at a 262k vocabulary. The distribution tests over gRPC
+(tests/test_losslessness.py, tests/test_medusa_sampling.py) run through this path too."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from specwire.orchestrator.speculative import sparse_draft_probs
 from specwire.v1 import common_pb2, model_pb2, model_pb2_grpc
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specwire.acceptance import accept_draft
+from specwire.acceptance import accept_draft, accept_tree_sampled
 from specwire.engine import CausalLM, Engine
 from specwire.errors import InvalidArgument
+from specwire.medusa import tree_path
 from specwire.processing import ProcessingConfig
 from specwire.session import OpenRequest, ScoreKind, Scores, Scoring, StepRequest, Verification
 from tests.harness import LoopThread, Stack, start_model_server, start_orchestrator
@@ -109,6 +111,87 @@ def test_a_malformed_verification_names_its_field(engine: Engine) -> None:
         with pytest.raises(InvalidArgument) as raised:
             _verify(engine, drafts, scores, scoring)
         assert raised.value.field == field, raised.value
+
+
+# -- a tree of candidates (Medusa's lossless sampling) ------------------------------------------
+
+TREE = [-1, 0, 0, 1, 2, 3]  # the root, two children, a grandchild under each, one more under the first
+TREE_SAMPLING = ProcessingConfig(temperature=0.5)  # the target's likely ids are candidates often enough
+
+
+def likely_tree(engine: Engine, root: int) -> list[int]:
+    """Nodes for TREE: each node's children are the best ids of the target's p after it."""
+    vocab = engine.info().vocab_size
+    nodes = [root]
+    for depth in range(1, 4):
+        parents = TREE[: len(nodes)]
+        session = engine.new_session()
+        session.open(OpenRequest(PROMPT, TREE_SAMPLING))
+        scores = session.step(StepRequest(append_ids=nodes, tree_parents=parents, scoring=Scoring(ScoreKind.PROBS, positions=len(nodes))))
+        session.close()
+        assert scores.scores is not None
+        p = scores.scores.to_dense(vocab, 0.0)
+        for node in range(len(nodes), len(TREE)):
+            parent = TREE[node]
+            if parent < len(nodes) and len(tree_path(TREE, parent)) == depth:
+                rank = sum(1 for other in range(1, node) if TREE[other] == parent)  # 0 for the first child
+                nodes.append(int(p[parent].topk(rank + 1).indices[rank]))
+    return nodes[: len(TREE)]
+
+
+def test_the_target_decides_a_tree_exactly_as_the_pure_function_on_its_p(engine: Engine) -> None:
+    vocab = engine.info().vocab_size
+    assert "verify_tree" in engine.info().capabilities
+    scoring = Scoring(ScoreKind.PROBS, positions=len(TREE))
+    paths = set()
+    for seed in range(12):
+        nodes = likely_tree(engine, root=3 + seed)
+        scored = engine.new_session()
+        scored.open(OpenRequest(PROMPT, TREE_SAMPLING))
+        scores = scored.step(StepRequest(append_ids=nodes, tree_parents=TREE, scoring=scoring)).scores
+        scored.close()
+        assert scores is not None
+        p = scores.to_dense(vocab, 0.0)  # [nodes, V]: what the dense protocol sends
+        last, next_token = accept_tree_sampled(torch.tensor(nodes), TREE, p[None], torch.Generator().manual_seed(500 + seed))
+        expected = (tree_path(TREE, int(last[0])), int(next_token[0]))
+
+        verifying = engine.new_session()
+        verifying.open(OpenRequest(PROMPT, TREE_SAMPLING))
+        result = verifying.step(
+            StepRequest(append_ids=nodes, tree_parents=TREE, scoring=scoring, verify=Verification(Scores(ScoreKind.PROBS), 500 + seed))
+        )
+        assert result.scores is None and result.verdict is not None and result.tree_ids is not None
+        assert result.tree_ids.tolist() == nodes
+        assert (list(result.verdict.tree_path), result.verdict.next_token) == expected
+        assert result.verdict.accepted_len == len(expected[0]) - 1
+        # The session goes on from the accepted path, as after a scored tree.
+        kept = verifying.step(StepRequest(tree_keep=list(result.verdict.tree_path), append_ids=[result.verdict.next_token]))
+        assert kept.num_tokens == len(PROMPT) + len(expected[0]) + 1
+        verifying.close()
+        paths.add(tuple(expected[0]))
+    assert len(paths) > 2, "every tree ended alike: the comparison would miss a wrong walk"
+
+
+def test_a_malformed_tree_verification_names_its_field_and_the_session_goes_on(engine: Engine) -> None:
+    drafts, q = draft_q(engine.info().vocab_size, 2, seed=3)
+    nodes, every = [4, 7, 9], Scoring(ScoreKind.PROBS, positions=3)
+    cases: list[tuple[Scores, Scoring, str]] = [
+        (sparse_draft_probs(drafts, q), every, "verify.draft_probs"),  # the nodes are the drafts: no q
+        (Scores(ScoreKind.PROBS), Scoring(ScoreKind.ARGMAX, positions=3), "verify"),
+        (Scores(ScoreKind.PROBS), Scoring(ScoreKind.PROBS, positions=3, top_n=2), "verify"),
+        (Scores(ScoreKind.PROBS), Scoring(ScoreKind.PROBS, positions=2), "scoring.positions"),
+    ]
+    session = engine.new_session()
+    session.open(OpenRequest(PROMPT, TREE_SAMPLING))
+    for q_scores, scoring, field in cases:
+        with pytest.raises(InvalidArgument) as raised:
+            session.step(StepRequest(append_ids=nodes, tree_parents=[-1, 0, 0], scoring=scoring, verify=Verification(q_scores, 0)))
+        assert raised.value.field == field, raised.value
+    result = session.step(
+        StepRequest(append_ids=nodes, tree_parents=[-1, 0, 0], scoring=every, verify=Verification(Scores(ScoreKind.PROBS), 1))
+    )
+    assert result.verdict is not None and result.verdict.tree_path[0] == 0
+    session.close()
 
 
 @pytest.mark.parametrize(

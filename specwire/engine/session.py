@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from specwire import attention_probe
-from specwire.acceptance import accept_draft
+from specwire.acceptance import accept_draft, accept_tree_sampled
 from specwire.engine.batch_costs import CURVE_POSITIONS
 from specwire.engine.cache import SlotCache
 from specwire.engine.model import CausalLM
@@ -537,6 +537,11 @@ class EngineSession:
             raise InvalidArgument("tree_parents", "tree verification needs exactly one branch")
         if request.propose:
             raise InvalidArgument("propose", "cannot be combined with tree_parents")
+        if request.verify is not None:
+            if request.verify.draft_probs.rows:
+                raise InvalidArgument("verify.draft_probs", "must be empty with tree_parents: the nodes are the drafts")
+            if request.scoring.kind != ScoreKind.PROBS or request.scoring.top_n:
+                raise InvalidArgument("verify", "a tree's verification needs scoring PROBS at every node, top_n 0")
         if request.tree_topk:
             request = replace(request, append_ids=self._medusa_tree(request))
         if len(request.tree_parents) != len(request.append_ids):
@@ -564,7 +569,27 @@ class EngineSession:
         self.tokens = torch.cat([self.tokens, torch.tensor([request.append_ids], dtype=torch.long)], dim=1)
         self.tree_start, self.tree_parents = start, list(request.tree_parents)
         self.last_hidden, self.tree_hidden = None, None  # the nodes are not committed; scoring fills tree_hidden
+        if request.verify is not None:
+            return self._verify_tree(request.scoring, request.verify)
         return self._finish(request.scoring, 0, False, 0, 0.0, tree=self.tree_parents)
+
+    def _verify_tree(self, scoring: Scoring, verify: Verification) -> StepResult:
+        """Lossless sampling over the tree's nodes decided here (`acceptance.accept_tree_sampled`):
+        the nodes are deterministic candidates, so no q comes with them; the draws from the seed."""
+        calls_before = self.forward_calls
+        parents = self.tree_parents
+        scores, _ = self._score(scoring, tree=parents)
+        assert scores is not None
+        probs = scores.to_dense(self.lm.vocab_size, 0.0).float().cpu()  # [nodes, vocab]
+        nodes = self.tokens[0, -len(parents) :]
+        last, next_token = accept_tree_sampled(nodes.cpu(), parents, probs[None], torch.Generator().manual_seed(verify.seed))
+        path = tree_path(parents, int(last[0]))
+        return StepResult(
+            num_tokens=self.length,
+            verdict=Verdict(len(path) - 1, int(next_token[0]), tuple(path)),
+            tree_ids=nodes.to(torch.int32).cpu(),
+            timing=ServerTiming(forward_calls=self.forward_calls - calls_before),
+        )
 
     def _medusa_tree(self, request: StepRequest) -> list[int]:
         """`tree_topk`: the root, then node i's `tree_topk[i-1]`-th best id of head depth(i) − 1,

@@ -192,12 +192,14 @@ class Verify(_message.Message):
     def __init__(self, draft_probs: _Optional[_Union[Scores, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("accepted_length", "next_token")
+    __slots__ = ("accepted_length", "next_token", "tree_path")
     ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TREE_PATH_FIELD_NUMBER: _ClassVar[int]
     accepted_length: int
     next_token: int
-    def __init__(self, accepted_length: _Optional[int] = ..., next_token: _Optional[int] = ...) -> None: ...
+    tree_path: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, accepted_length: _Optional[int] = ..., next_token: _Optional[int] = ..., tree_path: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("open", "step")
