@@ -77,8 +77,7 @@ def train_feature_drafter(args: argparse.Namespace) -> dict[str, Any]:
     drafter.eval()
     agreement = depth_agreement(drafter, held_out, table, args.heads)
     drafter.save(args.out)
-    chain = [[0] * depth for depth in range(1, args.heads + 1)]
-    (Path(args.out) / CHOICES_NAME).write_text(f"{chain}\n")
+    (Path(args.out) / CHOICES_NAME).write_text(f"{served_tree(args.heads)}\n")
     report = {
         "kind": "feature", "model": Path(args.model).name, "steps": args.steps, "batch_size": args.batch_size,
         "lr": args.lr, "seed": args.seed, "vocab_top": len(ids), "max_depth": args.heads,
@@ -90,6 +89,22 @@ def train_feature_drafter(args: argparse.Namespace) -> dict[str, Any]:
     }
     (Path(args.out) / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+# The tree served by default: the chain to depth 3 and the runner-up beside its first two drafts.
+# Gemma-3-270M's drafter on a 2-core Xeon, target on 2 threads, tok/s ÷ greedy in one run: chain
+# to depth 4 1.28, with runners-up at depths 1–2 1.29, to depth 3 with them 1.33 (docs/medusa.md).
+SERVED_DEPTH = 3
+RUNNERS_UP = 2
+
+
+def served_tree(depth: int) -> list[list[int]]:
+    """`medusa_choices` for a drafter of `depth` levels: its chain to SERVED_DEPTH, each of the
+    first RUNNERS_UP drafts with the head's second-best id beside it (a leaf, free to draft)."""
+    chain = min(depth, SERVED_DEPTH)
+    tree = [[0] * d for d in range(1, chain + 1)]
+    tree += [[0] * d + [1] for d in range(min(RUNNERS_UP, chain))]
+    return sorted(tree, key=lambda path: (len(path), path))
 
 
 @torch.no_grad()

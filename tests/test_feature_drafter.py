@@ -12,6 +12,7 @@ import pytest
 import torch
 from specwire.client.cli import main
 from specwire.client.sdk import Client
+from specwire.target_service.train_feature_drafter import served_tree
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specwire.engine import CausalLM, Engine, EngineLimits
@@ -137,6 +138,11 @@ def test_greedy_medusa_rounds_with_a_feature_drafter_equal_target_greedy(drafter
         assert result.token_ids == expected.token_ids, prompt
         assert 1 < result.stats.medusa_tree_size <= DEPTH + 1  # the drafter's chain (its choices.json), shorter at the end
         assert result.stats.target_forwards == result.stats.rounds
+        # The tree `train-medusa` writes: runners-up beside the chain's first drafts.
+        wide = client.generate(prompt, strategy="medusa", max_new_tokens=40, ignore_eos=True,
+                               medusa_choices=json.dumps(served_tree(DEPTH)))
+        assert wide.token_ids == expected.token_ids, prompt
+        assert wide.stats.medusa_tree_size > result.stats.medusa_tree_size
 
 
 def test_train_medusa_kind_feature_learns_a_drafter_that_loads_back(llama_target_dir: Path, tmp_path: Path) -> None:
@@ -156,7 +162,8 @@ def test_train_medusa_kind_feature_learns_a_drafter_that_loads_back(llama_target
     assert regression_last + 0.1 * kl_last < regression_first + 0.1 * kl_first  # the loss it minimises
     drafter = FeatureDrafter.load(tmp_path / "a")
     assert drafter.config.head_vocab == 64 and drafter.config.max_depth == 3
-    assert json.loads((tmp_path / "a" / CHOICES_NAME).read_text()) == [[0], [0, 0], [0, 0, 0]]
+    # Its chain, and the runner-up beside each of the first two drafts.
+    assert json.loads((tmp_path / "a" / CHOICES_NAME).read_text()) == [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
     engine = engine_with(llama_target_dir, tmp_path / "a", True)  # serves
     assert engine.info().medusa_heads == 3
 
