@@ -67,6 +67,13 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
 
 
+def _standard(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous with the standard strides: `contiguous` keeps any stride of a dimension of
+    size 1 (one past slot, one batch row), and a compiled graph's guards then fail and recompile."""
+    t = t.contiguous()
+    return t.view(-1).view(t.shape)
+
+
 @dataclass
 class Slots:
     """Keys and values of a drafter's slots: [kv_heads, S, head_dim] each, and their positions [S]."""
@@ -134,9 +141,9 @@ class FeatureDrafter(nn.Module):
             if features.shape[0] == 1:
                 return out, Slots(keys[0], values[0], positions)
             return out, Slots(keys[0][:, :0], values[0][:, :0], positions[:0])
-        if self._compiled is not None:  # contiguous: a compiled graph is specialised on strides
-            out, keys, values = self._compiled(*(t.contiguous() for t in (features, tokens, positions, past.keys,
-                                                                          past.values, past.positions)))
+        if self._compiled is not None:  # a compiled graph is specialised on strides
+            out, keys, values = self._compiled(*(_standard(t) for t in (features, tokens, positions, past.keys,
+                                                                        past.values, past.positions)))
         else:
             out, keys, values = self._layer(features, tokens, positions, past.keys, past.values, past.positions)
         return out, Slots(keys[0], values[0], torch.cat([past.positions, positions]))
@@ -173,17 +180,20 @@ class FeatureDrafter(nn.Module):
         either) for the calling thread's torch threads; eager it stays where that fails."""
         try:
             self._compiled = torch.compile(self._layer, dynamic=True)
-            width, state = self.config.hidden_size, FeatureDrafterState()
+            width, tokens = self.config.hidden_size, torch.zeros(32, dtype=torch.long)
             like = self.out_scale  # the drafter's device and dtype (its linears may be quantised)
-            state.commit(0, like.new_zeros(8, width))
-            tokens = torch.zeros(32, dtype=torch.long)
-            state.draft(self, tokens[:8], 0, 1, 1)  # the prompt's slots, eager
-            # Rounds as a session runs them: accepted paths of 1 to 3 tokens, then chain steps
-            # (dynamo specialises on the first count of slots, then compiles for any).
-            for accepted in (1, 2, 3, 1, 2, 3):
-                length = int(state.slots.positions[-1]) + 1 + accepted if state.slots is not None else 8
-                state.commit(length - accepted, like.new_zeros(accepted, width))
-                state.draft(self, tokens[:length], 0, 3, 1)
+            # Sessions as they start, from a prompt's slots or from one (a prefix-cache hit leaves
+            # only the prompt's uncached tail), then rounds accepting 1 to 3 tokens. Dynamo
+            # specialises counts of 1, so past slots and new ones of 1 and more each get a graph.
+            for prompt, rounds in ((8, (1, 2, 3, 1, 2, 3)), (1, (1, 2)), (1, (2, 1))):
+                state = FeatureDrafterState()
+                state.commit(0, like.new_zeros(prompt, width))
+                state.draft(self, tokens[:prompt], 0, 1, 1)  # no past slots: eager
+                length = prompt
+                for accepted in rounds:
+                    state.commit(length, like.new_zeros(accepted, width))
+                    length += accepted
+                    state.draft(self, tokens[:length], 0, 3, 1)
         except Exception as error:  # serve eagerly
             log.warning("feature drafter: torch.compile failed, drafting eagerly: %s: %s", type(error).__name__, error)
             self._compiled = None
