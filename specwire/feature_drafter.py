@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -118,6 +119,9 @@ class FeatureDrafter(nn.Module):
         self.register_buffer("vocab_ids", ids)
         self.embedding: torch.Tensor | None = None  # [vocab, hidden]: the target's, `bind`
         self._compiled: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None  # `compile_steps`
+        # Sessions draft on their own threads; dynamo's guard checks raced between them (eight
+        # concurrent Medusa streams recompiled the step to dynamo's limit, then ran it eagerly).
+        self._compiled_lock = threading.Lock()
 
     @property
     def num_heads(self) -> int:
@@ -142,8 +146,9 @@ class FeatureDrafter(nn.Module):
                 return out, Slots(keys[0], values[0], positions)
             return out, Slots(keys[0][:, :0], values[0][:, :0], positions[:0])
         if self._compiled is not None:  # a compiled graph is specialised on strides
-            out, keys, values = self._compiled(*(_standard(t) for t in (features, tokens, positions, past.keys,
-                                                                        past.values, past.positions)))
+            inputs = [_standard(t) for t in (features, tokens, positions, past.keys, past.values, past.positions)]
+            with self._compiled_lock:
+                out, keys, values = self._compiled(*inputs)
         else:
             out, keys, values = self._layer(features, tokens, positions, past.keys, past.values, past.positions)
         return out, Slots(keys[0], values[0], torch.cat([past.positions, positions]))

@@ -5,6 +5,7 @@ bad trees are refused by name, and `train-medusa --kind feature` learns one that
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from specwire.engine import CausalLM, Engine, EngineLimits
 from specwire.errors import InvalidArgument
-from specwire.feature_drafter import FeatureDrafter, FeatureDrafterConfig
+from specwire.feature_drafter import FeatureDrafter, FeatureDrafterConfig, FeatureDrafterState
 from specwire.medusa import CHOICES_NAME, build_tree
 from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
 from tests.conftest import hf_model
@@ -198,6 +199,27 @@ def test_the_compiled_step_drafts_what_the_eager_one_does(llama_target_dir: Path
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(slots.keys, expected_slots.keys, atol=1e-4, rtol=1e-4)
         assert torch.equal(slots.positions, expected_slots.positions)
+
+    # Sessions draft on threads of their own: eight at once draft what each drafts alone. (Dynamo's
+    # guard checks raced between threads on Gemma-3-270M's quantised drafter, an AssertionError in
+    # torch without the step's lock; this tiny one does not race.)
+    def session(seed: int) -> torch.Tensor:
+        state, width = FeatureDrafterState(), drafter.config.hidden_size
+        generator = torch.Generator().manual_seed(seed)
+        state.commit(0, torch.randn(6 + seed, width, generator=generator))
+        committed = torch.randint(0, 320, (60,), generator=generator)
+        length, drafts = 6 + seed, []
+        for accepted in (1, 3, 2, 1, 2) * 2:
+            drafts.append(state.draft(drafter, committed[:length], int(committed[length]), 3, 2))
+            state.commit(length, torch.randn(accepted, width, generator=generator))
+            length += accepted
+        return torch.stack(drafts)
+
+    alone = [session(seed) for seed in range(8)]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        together = list(pool.map(session, range(8)))
+    for solo, concurrent in zip(alone, together, strict=True):
+        assert torch.equal(solo, concurrent)
 
 
 def test_a_bfloat16_target_drafts_with_its_drafter_in_bfloat16(llama_target_dir: Path, drafter_dir: Path) -> None:
