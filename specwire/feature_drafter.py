@@ -119,9 +119,11 @@ class FeatureDrafter(nn.Module):
         self.register_buffer("vocab_ids", ids)
         self.embedding: torch.Tensor | None = None  # [vocab, hidden]: the target's, `bind`
         self._compiled: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None  # `compile_steps`
-        # Sessions draft on their own threads; dynamo's guard checks raced between them (eight
-        # concurrent Medusa streams recompiled the step to dynamo's limit, then ran it eagerly).
-        self._compiled_lock = threading.Lock()
+        # Sessions draft on threads of their own, and the layer's fused projections
+        # (`quantize.SharedInputLinear`) keep one product between their calls, which the compiled
+        # step's guards also read: one session at a time (eight concurrent Medusa streams on
+        # Gemma-3-270M took each other's products, an AssertionError, or recompiled the step).
+        self._lock = threading.Lock()
 
     @property
     def num_heads(self) -> int:
@@ -140,15 +142,20 @@ class FeatureDrafter(nn.Module):
     ) -> tuple[torch.Tensor, Slots]:
         """features [B, T, H], tokens [B, T] (x_{j+1} for slot j), positions [T] → predicted
         f_{j+1} [B, T, H] and the slots with these appended (B = 1 when `past` is given)."""
+        with self._lock:
+            return self._forward(features, tokens, positions, past)
+
+    def _forward(
+        self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, past: Slots | None
+    ) -> tuple[torch.Tensor, Slots]:
         if past is None:
             out, keys, values = self._layer(features, tokens, positions, None, None, None)
             if features.shape[0] == 1:
                 return out, Slots(keys[0], values[0], positions)
             return out, Slots(keys[0][:, :0], values[0][:, :0], positions[:0])
         if self._compiled is not None:  # a compiled graph is specialised on strides
-            inputs = [_standard(t) for t in (features, tokens, positions, past.keys, past.values, past.positions)]
-            with self._compiled_lock:
-                out, keys, values = self._compiled(*inputs)
+            out, keys, values = self._compiled(*(_standard(t) for t in (features, tokens, positions, past.keys,
+                                                                        past.values, past.positions)))
         else:
             out, keys, values = self._layer(features, tokens, positions, past.keys, past.values, past.positions)
         return out, Slots(keys[0], values[0], torch.cat([past.positions, positions]))
