@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -118,7 +118,8 @@ class FeatureDrafter(nn.Module):
             raise ValueError(f"feature drafter vocab_ids: {config.head_vocab} ids in [0, {config.vocab_size}) expected")
         self.register_buffer("vocab_ids", ids)
         self.embedding: torch.Tensor | None = None  # [vocab, hidden]: the target's, `bind`
-        self._compiled: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None  # `compile_steps`
+        self._compiled_chain: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None  # `compile_steps`
+        self._compiled_trees: set[tuple[int, int]] = set()  # (depth, top_k) it was warmed up for
         # Sessions draft on threads of their own, and the layer's fused projections
         # (`quantize.SharedInputLinear`) keep one product between their calls, which the compiled
         # step's guards also read: one session at a time (eight concurrent Medusa streams on
@@ -153,12 +154,47 @@ class FeatureDrafter(nn.Module):
             if features.shape[0] == 1:
                 return out, Slots(keys[0], values[0], positions)
             return out, Slots(keys[0][:, :0], values[0][:, :0], positions[:0])
-        if self._compiled is not None:  # a compiled graph is specialised on strides
-            out, keys, values = self._compiled(*(_standard(t) for t in (features, tokens, positions, past.keys,
-                                                                        past.values, past.positions)))
-        else:
-            out, keys, values = self._layer(features, tokens, positions, past.keys, past.values, past.positions)
+        out, keys, values = self._layer(features, tokens, positions, past.keys, past.values, past.positions)
         return out, Slots(keys[0], values[0], torch.cat([past.positions, positions]))
+
+    def chain(
+        self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, past: Slots | None, depth: int,
+        top_k: int,
+    ) -> tuple[torch.Tensor, Slots]:
+        """A round's drafts in one call: new slots as `forward` (B = 1), then `depth` levels, each
+        the `top_k` best target ids [depth, top_k] of the last predicted feature, the best one fed
+        back at the next position. Returns them and the slots with the new ones (not the chain's)."""
+        with self._lock:
+            # Other trees (a generation's last rounds draft less deep) draft eagerly: each would
+            # compile graphs of its own while serving.
+            if past is None or self._compiled_chain is None or (depth, top_k) not in self._compiled_trees:
+                best, keys, values = self._chain(features, tokens, positions, None if past is None else past.keys,
+                                                 None if past is None else past.values,
+                                                 None if past is None else past.positions, depth, top_k)
+            else:  # a compiled graph is specialised on strides
+                best, keys, values = self._compiled_chain(
+                    *(_standard(t) for t in (features, tokens, positions, past.keys, past.values, past.positions)),
+                    depth, top_k)
+        known = positions if past is None else torch.cat([past.positions, positions])
+        return best, Slots(keys[0], values[0], known)
+
+    def _chain(
+        self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, past_keys: torch.Tensor | None,
+        past_values: torch.Tensor | None, past_positions: torch.Tensor | None, depth: int, top_k: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`chain` on tensors: the drafts [depth, top_k] and the keys and values of the past and
+        new slots [1, kv, S + T, d]; one graph when compiled, so a level costs no Python."""
+        out, keys, values = self._layer(features, tokens, positions, past_keys, past_values, past_positions)
+        known = positions if past_positions is None else torch.cat([past_positions, positions])
+        chain, chain_keys, chain_values, best = out[:, -1:], keys[0], values[0], []
+        for level in range(depth):
+            ids = self.vocab_ids[self.head(chain[0, -1]).topk(top_k).indices]  # [top_k] target ids
+            best.append(ids)
+            if level + 1 < depth:
+                at = positions[-1:] + 1 + level  # [1]
+                chain, more_keys, more_values = self._layer(chain, ids[:1][None], at, chain_keys, chain_values, known)
+                chain_keys, chain_values, known = more_keys[0], more_values[0], torch.cat([known, at])
+        return torch.stack(best), keys, values
 
     def _layer(
         self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
@@ -187,28 +223,31 @@ class FeatureDrafter(nn.Module):
         x = x + self.down_proj(nn.functional.silu(self.gate_proj(m)) * self.up_proj(m))
         return x * self.out_scale, k, v
 
-    def compile_steps(self) -> bool:
-        """Compile the serving step (one session's new slots after its past ones, any count of
-        either) for the calling thread's torch threads; eager it stays where that fails."""
+    def compile_steps(self, trees: Sequence[tuple[int, int]] = ((3, 1),)) -> bool:
+        """Compile the serving call (`chain`: one session's new slots after its past ones, any
+        count of either, then its levels) for the calling thread's torch threads, warmed up for
+        each (depth, top_k) of `trees`; eager it stays where that fails."""
         try:
-            self._compiled = torch.compile(self._layer, dynamic=True)
+            self._compiled_chain = torch.compile(self._chain, dynamic=True)
             width, tokens = self.config.hidden_size, torch.zeros(32, dtype=torch.long)
             like = self.out_scale  # the drafter's device and dtype (its linears may be quantised)
             # Sessions as they start, from a prompt's slots or from one (a prefix-cache hit leaves
             # only the prompt's uncached tail), then rounds accepting 1 to 3 tokens. Dynamo
             # specialises counts of 1, so past slots and new ones of 1 and more each get a graph.
-            for prompt, rounds in ((8, (1, 2, 3, 1, 2, 3)), (1, (1, 2)), (1, (2, 1))):
-                state = FeatureDrafterState()
-                state.commit(0, like.new_zeros(prompt, width))
-                state.draft(self, tokens[:prompt], 0, 1, 1)  # no past slots: eager
-                length = prompt
-                for accepted in rounds:
-                    state.commit(length, like.new_zeros(accepted, width))
-                    length += accepted
-                    state.draft(self, tokens[:length], 0, 3, 1)
+            for depth, top_k in trees:
+                self._compiled_trees.add((depth, top_k))
+                for prompt, rounds in ((8, (1, 2, 3, 1, 2, 3)), (1, (1, 2)), (1, (2, 1))):
+                    state = FeatureDrafterState()
+                    state.commit(0, like.new_zeros(prompt, width))
+                    state.draft(self, tokens[:prompt], 0, depth, top_k)  # no past slots: eager
+                    length = prompt
+                    for accepted in rounds:
+                        state.commit(length, like.new_zeros(accepted, width))
+                        length += accepted
+                        state.draft(self, tokens[:length], 0, depth, top_k)
         except Exception as error:  # serve eagerly
             log.warning("feature drafter: torch.compile failed, drafting eagerly: %s: %s", type(error).__name__, error)
-            self._compiled = None
+            self._compiled_chain, self._compiled_trees = None, set()
             return False
         return True
 
@@ -275,12 +314,6 @@ class FeatureDrafterState:
         following = torch.cat([tokens[start + 1 :], torch.tensor([root], dtype=torch.long)])  # [m]
         features = torch.stack(self.pending)[None].to(drafter.out_scale.dtype)  # [1, m, H]
         positions = torch.arange(start, length)
-        predicted, self.slots = drafter(features, following[None], positions, self.slots)
+        best, self.slots = drafter.chain(features, following[None], positions, self.slots, depth, top_k)
         self.pending = []
-        chain, past, best = predicted[:, -1:], self.slots, []
-        for level in range(depth):
-            top = drafter.scores(chain[0, -1]).topk(top_k).indices  # [top_k] drafter ids
-            best.append(drafter.vocab_ids[top])
-            if level + 1 < depth:
-                chain, past = drafter(chain, best[-1][:1][None], torch.tensor([length + level]), past)
-        return torch.stack(best)  # [depth, top_k]
+        return best  # [depth, top_k]

@@ -547,3 +547,51 @@ def test_a_thread_set_to_one_torch_thread_gives_back_its_openmp_workers() -> Non
                          env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
     assert run.returncode == 0, run.stderr
     assert int(run.stdout) == 1  # the pool's one worker
+
+
+def test_calls_run_on_the_forward_thread_between_forwards(llama_target_dir: Path) -> None:
+    """`Scheduler.call` (a feature drafter's steps): the work runs on the forward thread, never
+    during a forward, and its result or error comes back to the caller; sessions decoding
+    meanwhile are not disturbed."""
+    backend = engine(llama_target_dir, batching=True)
+    scheduler = backend.scheduler
+    assert scheduler is not None
+    forwarding = threading.Event()
+    execute = scheduler._execute
+
+    def marked(jobs: list[ForwardJob]) -> None:
+        forwarding.set()
+        try:
+            execute(jobs)
+        finally:
+            forwarding.clear()
+
+    scheduler._execute = marked  # type: ignore[method-assign]
+    seen: list[tuple[str, bool]] = []
+
+    def work() -> int:
+        seen.append((threading.current_thread().name, forwarding.is_set()))
+        return len(seen)
+
+    def decode(seed: int) -> list[int]:
+        session = backend.new_session()
+        session.open(OpenRequest(prompt_ids=[seed + 1, 5, 9], scoring=Scoring(ScoreKind.ARGMAX)))
+        ids = session.step(StepRequest(append_ids=[3], propose=12, propose_greedy=True, propose_ids_only=True))
+        session.close()
+        assert ids.proposed_ids is not None
+        return [int(t) for t in ids.proposed_ids.flatten()]
+
+    alone = [decode(seed) for seed in range(3)]
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        decoding = [pool.submit(decode, seed) for seed in range(3)]
+        results = [pool.submit(scheduler.call, work) for _ in range(20)]
+        assert sorted(call.result() for call in results) == list(range(1, 21))
+        assert [run.result() for run in decoding] == alone
+    assert seen and all(name == "specwire-forward" and not during for name, during in seen)
+
+    def fails() -> None:
+        raise ValueError("drafting failed")
+
+    with pytest.raises(ValueError, match="drafting failed"):
+        scheduler.call(fails)
+    assert decode(0) == alone[0]  # the forward thread goes on

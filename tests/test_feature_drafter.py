@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from specwire.engine import CausalLM, Engine, EngineLimits
 from specwire.errors import InvalidArgument
-from specwire.feature_drafter import FeatureDrafter, FeatureDrafterConfig, FeatureDrafterState
+from specwire.feature_drafter import FeatureDrafter, FeatureDrafterConfig, FeatureDrafterState, Slots
 from specwire.medusa import CHOICES_NAME, build_tree
 from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
 from tests.conftest import hf_model
@@ -183,21 +183,27 @@ def test_slots_drafted_step_by_step_equal_one_pass(llama_target_dir: Path, draft
     assert slots.keys.shape[1] == 9 and slots.before(6).keys.shape[1] == 6
 
 
-def test_the_compiled_step_drafts_what_the_eager_one_does(llama_target_dir: Path, drafter_dir: Path) -> None:
-    """`compile_steps` (what a compiling target service runs once its forward is compiled): the slots
-    and predictions of a round's steps, any count of new and past slots, as eager."""
+def test_the_compiled_chain_drafts_what_the_eager_one_does(llama_target_dir: Path, drafter_dir: Path) -> None:
+    """`compile_steps` (what a compiling target service runs once its forward is compiled): a
+    round's drafts and slots, any count of new and past slots, any depth and width, as eager."""
     drafter = FeatureDrafter.load(drafter_dir)
     drafter.bind(hf_model(llama_target_dir).get_input_embeddings().weight)
     torch.manual_seed(4)
     features, tokens = torch.randn(1, 12, drafter.config.hidden_size), torch.randint(0, 320, (1, 12))
-    with torch.inference_mode():
-        _, past = drafter(features[:, :5], tokens[:, :5], torch.arange(5))
-        eager = [drafter(features[:, 5:5 + n], tokens[:, 5:5 + n], torch.arange(5, 5 + n), past) for n in (1, 2, 4)]
-        assert drafter.compile_steps()
-        compiled = [drafter(features[:, 5:5 + n], tokens[:, 5:5 + n], torch.arange(5, 5 + n), past) for n in (1, 2, 4)]
-    for (out, slots), (expected, expected_slots) in zip(compiled, eager, strict=True):
-        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    rounds = [(n, depth, top_k) for n in (1, 2, 4) for depth, top_k in ((3, 2), (1, 1), (4, 3))]
+
+    def drafts() -> list[tuple[torch.Tensor, Slots]]:
+        with torch.inference_mode():
+            _, past = drafter(features[:, :5], tokens[:, :5], torch.arange(5))
+            return [drafter.chain(features[:, 5:5 + n], tokens[:, 5:5 + n], torch.arange(5, 5 + n), past, depth, top_k)
+                    for n, depth, top_k in rounds]
+
+    eager = drafts()
+    assert drafter.compile_steps([(3, 2)])
+    for (best, slots), (expected, expected_slots) in zip(drafts(), eager, strict=True):
+        assert torch.equal(best, expected)
         torch.testing.assert_close(slots.keys, expected_slots.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(slots.values, expected_slots.values, atol=1e-4, rtol=1e-4)
         assert torch.equal(slots.positions, expected_slots.positions)
 
     # Sessions draft on threads of their own: eight at once draft what each drafts alone. (Dynamo's

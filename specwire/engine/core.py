@@ -7,6 +7,7 @@ times its own forwards at warm-up (`Info.forward_costs`) and hands out sessions
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import statistics
@@ -187,10 +188,12 @@ class Engine:
         and the batches' costs are learnt again."""
         if self.scheduler is not None:
             self.scheduler.costs.clear()
-        if isinstance(self.lm.medusa, FeatureDrafter):  # its steps run on a session's thread, at one
+        if isinstance(self.lm.medusa, FeatureDrafter) and self.scheduler is not None:
+            # It drafts on the forward thread (`Scheduler.call`), and dynamo guards on the count.
             threads = torch.get_num_threads()
-            compute_on(1)
-            self.lm.medusa.compile_steps()
+            compute_on(self.scheduler.threads)
+            choices = json.loads(self.lm.medusa_choices) if self.lm.medusa_choices else []  # its tree, else a chain
+            self.lm.medusa.compile_steps([(max(map(len, choices)), max(map(max, choices)) + 1)] if choices else [(3, 1)])
             compute_on(threads)
         if self._forward_costs:
             self._forward_costs, self._decode_ms_per_token = self.measure_costs()

@@ -34,7 +34,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -57,6 +57,7 @@ PREFILL_CHUNK = 64
 FUSED_STEPS = 4
 # The forward thread exits after this long without a job, and a new one starts with the next.
 IDLE_EXIT_S = 5.0
+T = TypeVar("T")
 _caller = threading.local()  # `single`: this thread computes on one thread
 
 
@@ -106,6 +107,23 @@ class ForwardJob:
 
 
 @dataclass
+class _Call:
+    """Work for the forward thread (`Scheduler.call`) and its outcome."""
+
+    work: Callable[[], Any]
+    result: Any = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        try:
+            self.result = self.work()
+        except BaseException as error:  # the caller raises it; the forward thread goes on
+            self.error = error
+        self.done.set()
+
+
+@dataclass
 class SchedulerStats:
     forwards: int = 0
     rows: int = 0  # summed over forwards: rows per forward = rows / forwards
@@ -136,6 +154,7 @@ class Scheduler:
         self._mutex = threading.Lock()
         self._arrived = threading.Condition(self._mutex)
         self._queue: list[ForwardJob] = []
+        self._calls: list[_Call] = []  # `call`s waiting for the forward thread
         self._worker: threading.Thread | None = None  # runs every forward (`_run_forwards`)
         self._exiting = False  # the interpreter is exiting: the forward thread ends now (`_end_forward_threads`)
         _SCHEDULERS.add(self)
@@ -297,6 +316,11 @@ class Scheduler:
         self._compile_requested()
 
     @property
+    def threads(self) -> int:
+        """The forward thread's torch threads."""
+        return self._threads
+
+    @property
     def compiling(self) -> bool:
         """The background compiler has shapes to compile (it slows serving meanwhile)."""
         return self._compiler is not None
@@ -390,6 +414,30 @@ class Scheduler:
             self._return_s.pop(id(owner), None)
             self._arrived.notify_all()
 
+    def call(self, work: Callable[[], T]) -> T:
+        """`work()` run on the forward thread, before its next forward, and its result: work that
+        sessions do between their forwards (a feature drafter's steps) computes on that thread's
+        cores, not on a second OpenMP pool (module docstring), and never beside a forward."""
+        if not getattr(_caller, "single", False):
+            compute_on(1)
+            _caller.single = True
+        waiting = _Call(work)
+        with self._mutex:
+            self._calls.append(waiting)
+            self._arrived.notify_all()
+            self._start_worker()
+        waiting.done.wait()
+        if waiting.error is not None:
+            raise waiting.error
+        return cast(T, waiting.result)
+
+    def _start_worker(self) -> None:
+        """Under `_mutex`: start the forward thread unless it runs."""
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run_forwards, name="specwire-forward", daemon=True)
+            _FORWARD_THREADS.add(self._worker)
+            self._worker.start()
+
     def run(self, job: ForwardJob) -> ForwardJob:
         """Queue `job` and return once the forward thread has its results in. The calling thread
         computes on one thread from then on (module docstring)."""
@@ -413,10 +461,7 @@ class Scheduler:
             if self._awaited:
                 self._awaited.discard(owner)
             self._arrived.notify_all()
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._run_forwards, name="specwire-forward", daemon=True)
-                _FORWARD_THREADS.add(self._worker)
-                self._worker.start()
+            self._start_worker()
         job._wake.wait()
         if job.error is not None:
             raise job.error
@@ -456,15 +501,27 @@ class Scheduler:
         idle_exit_s = IDLE_EXIT_S if self.device.type != "cuda" else None
         while True:
             with self._mutex:
-                if not self._arrived.wait_for(lambda: bool(self._queue) or self._exiting, timeout=idle_exit_s) or (
-                    self._exiting and not self._queue
-                ):
+                if not self._arrived.wait_for(lambda: bool(self._queue or self._calls) or self._exiting,
+                                              timeout=idle_exit_s) or (self._exiting and not self._queue):
                     self._worker = None
+                    for waiting in self._calls:  # exiting: they fail rather than hang
+                        waiting.error = RuntimeError("scheduler: the forward thread ended")
+                        waiting.done.set()
+                    self._calls = []
                     return
-                if self._awaited:
-                    self._arrived.wait_for(lambda: not self._awaited, timeout=self._last_forward_s / 2)
-                    self._awaited.clear()  # the late ones join a later forward
-                batch, self._queue = self._queue, []
+                if self._awaited and not self._calls:
+                    self._arrived.wait_for(lambda: not self._awaited or bool(self._calls), timeout=self._last_forward_s / 2)
+                    if not self._calls:
+                        self._awaited.clear()  # the late ones join a later forward
+                calls, self._calls = self._calls, []
+                if calls:  # before the forward, whose sessions may be among their callers'
+                    batch = []
+                else:
+                    batch, self._queue = self._queue, []
+            for waiting in calls:
+                waiting.run()
+            if not batch:
+                continue
             # A job wider than PREFILL_CHUNK (a wide tree) runs alone: nothing pads past SLACK.
             wide = [job for job in batch if job.new_tokens > PREFILL_CHUNK]
             try:

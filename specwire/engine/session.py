@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import grpc
 import torch
@@ -68,6 +68,8 @@ def encode_probs(probs: torch.Tensor, config: ProcessingConfig, columns: torch.T
         ids = columns.to(torch.int32).expand(probs.shape[0], -1).contiguous()
         return Scores(ScoreKind.PROBS, sparse_ids=ids, sparse_values=probs)
     return Scores(ScoreKind.PROBS, dense=probs)
+
+T = TypeVar("T")
 
 
 def _encode_top(kind: ScoreKind, scores: torch.Tensor, top_n: int, dtype: torch.dtype) -> Scores:
@@ -139,6 +141,10 @@ class SessionKV(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def keep_path(self, start: int, kept: list[int]) -> None: ...
+
+    def compute(self, work: Callable[[], T]) -> T:
+        """`work()` where the forwards compute (`Scheduler.call`): a feature drafter's steps."""
+        ...
 
     def take_load(self) -> tuple[int, list[tuple[int, float]], list[tuple[int, float]]]:
         """The rows of the largest batched forward since the last call, and what a forward of
@@ -245,6 +251,9 @@ class DynamicKV:
             keys[:, :, start : start + len(kept)] = keys.index_select(2, source)
             values[:, :, start : start + len(kept)] = values.index_select(2, source)
         self.crop(start + len(kept))
+
+    def compute(self, work: Callable[[], T]) -> T:
+        return work()
 
     def take_load(self) -> tuple[int, list[tuple[int, float]], list[tuple[int, float]]]:
         return 0, [], []
@@ -416,6 +425,9 @@ class SlotKV:
             self.cached = start + len(kept)
         finally:
             self._leave()
+
+    def compute(self, work: Callable[[], T]) -> T:
+        return self.scheduler.call(work)
 
     def take_load(self) -> tuple[int, list[tuple[int, float]], list[tuple[int, float]]]:
         """Curves only where they say something new (`ServerTiming.batch_costs`): above one row,
@@ -630,7 +642,8 @@ class EngineSession:
             on_chain.append(topk[node - 1] == 0)
         depth = max(tree_depths(parents))
         try:
-            return self.drafter.draft(self.lm.medusa, self.tokens[0], root, depth, max(topk, default=0) + 1).cpu()
+            drafter, tokens, top_k = self.lm.medusa, self.tokens[0], max(topk, default=0) + 1
+            return self.kv.compute(lambda: self.drafter.draft(drafter, tokens, root, depth, top_k)).cpu()
         except ValueError as error:
             raise InvalidArgument("tree_topk", f"{error}: score it (or keep a scored tree's path) first") from None
 
