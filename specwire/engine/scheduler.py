@@ -111,16 +111,17 @@ class _Call:
     """Work for the forward thread (`Scheduler.call`) and its outcome."""
 
     work: Callable[[], Any]
+    owner: object = None  # the session whose forward follows it
     result: Any = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
+        """The work; `done` is the caller's to set."""
         try:
             self.result = self.work()
         except BaseException as error:  # the caller raises it; the forward thread goes on
             self.error = error
-        self.done.set()
 
 
 @dataclass
@@ -414,14 +415,16 @@ class Scheduler:
             self._return_s.pop(id(owner), None)
             self._arrived.notify_all()
 
-    def call(self, work: Callable[[], T]) -> T:
+    def call(self, work: Callable[[], T], owner: object = None) -> T:
         """`work()` run on the forward thread, before its next forward, and its result: work that
         sessions do between their forwards (a feature drafter's steps) computes on that thread's
-        cores, not on a second OpenMP pool (module docstring), and never beside a forward."""
+        cores, not on a second OpenMP pool (module docstring), and never beside a forward.
+        `owner`: the session whose job follows; the next forward waits for it, as for one served
+        with `more` (`Scheduler`), so sessions drafting in turn still verify together."""
         if not getattr(_caller, "single", False):
             compute_on(1)
             _caller.single = True
-        waiting = _Call(work)
+        waiting = _Call(work, owner)
         with self._mutex:
             self._calls.append(waiting)
             self._arrived.notify_all()
@@ -520,6 +523,10 @@ class Scheduler:
                     batch, self._queue = self._queue, []
             for waiting in calls:
                 waiting.run()
+                with self._mutex:  # awaited before its owner can send the job
+                    if waiting.owner is not None and waiting.error is None:
+                        self._awaited.add(id(waiting.owner))
+                waiting.done.set()
             if not batch:
                 continue
             # A job wider than PREFILL_CHUNK (a wide tree) runs alone: nothing pads past SLACK.

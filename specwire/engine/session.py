@@ -427,7 +427,7 @@ class SlotKV:
             self._leave()
 
     def compute(self, work: Callable[[], T]) -> T:
-        return self.scheduler.call(work)
+        return self.scheduler.call(work, owner=self)
 
     def take_load(self) -> tuple[int, list[tuple[int, float]], list[tuple[int, float]]]:
         """Curves only where they say something new (`ServerTiming.batch_costs`): above one row,
