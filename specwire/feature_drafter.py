@@ -120,9 +120,9 @@ class FeatureDrafter(nn.Module):
         self.embedding: torch.Tensor | None = None  # [vocab, hidden]: the target's, `bind`
         self._compiled_chain: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None  # `compile_steps`
         self._compiled_trees: set[tuple[int, int]] = set()  # (depth, top_k) it was warmed up for
-        # Sessions draft on threads of their own, and the layer's fused projections
-        # (`quantize.SharedInputLinear`) keep one product between their calls, which the compiled
-        # step's guards also read: one session at a time (eight concurrent Medusa streams on
+        # Sessions of an engine without a scheduler draft on threads of their own, and the layer's
+        # fused projections (`quantize.SharedInputLinear`) keep one product between their calls,
+        # which the compiled step's guards also read: one session at a time (eight concurrent Medusa streams on
         # Gemma-3-270M took each other's products, an AssertionError, or recompiled the step).
         self._lock = threading.Lock()
 

@@ -421,9 +421,7 @@ class Scheduler:
         cores, not on a second OpenMP pool (module docstring), and never beside a forward.
         `owner`: the session whose job follows; the next forward waits for it, as for one served
         with `more` (`Scheduler`), so sessions drafting in turn still verify together."""
-        if not getattr(_caller, "single", False):
-            compute_on(1)
-            _caller.single = True
+        _compute_single()
         waiting = _Call(work, owner)
         with self._mutex:
             self._calls.append(waiting)
@@ -444,9 +442,7 @@ class Scheduler:
     def run(self, job: ForwardJob) -> ForwardJob:
         """Queue `job` and return once the forward thread has its results in. The calling thread
         computes on one thread from then on (module docstring)."""
-        if not getattr(_caller, "single", False):
-            compute_on(1)
-            _caller.single = True
+        _compute_single()
         if job.new_tokens > PREFILL_CHUNK and job.tree_mask is None and job.positions is None:
             if job.pick is None:
                 return self._run_chunked(job)
@@ -767,6 +763,14 @@ def _end_forward_threads() -> None:
             scheduler._arrived.notify_all()
     for thread in list(_FORWARD_THREADS):
         thread.join(timeout=IDLE_EXIT_S)
+
+
+def _compute_single() -> None:
+    """The calling thread, one that hands work to a forward thread, computes on one thread from
+    now on (module docstring)."""
+    if not getattr(_caller, "single", False):
+        compute_on(1)
+        _caller.single = True
 
 
 def compute_on(threads: int) -> None:
