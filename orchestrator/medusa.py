@@ -9,12 +9,15 @@ A round is ONE message to the target service: keep the last round's accepted pat
 (`tree_keep`, its KV compacted), append the new tree — its root is the token the last round
 decided, its other nodes the heads' top-k along `medusa_choices` (`tree_topk`), which the
 service fills in by applying its heads to the hidden state it kept at the accepted path's end
-(one row, not every node) — and score every node. The reply carries the tree's ids and the
-base distribution at every node (argmax ids when greedy); the orchestrator decides with the
-pure functions below. No draft service is involved.
+(one row, not every node) — and score every node. Greedy and lossless rounds are decided in the
+service (`Verify` with the tree; the reply carries the tree's ids and the verdict), several to a
+message (`tree_rounds`, doubling from 1 like `standard`'s multi-step rounds, so a round trip
+buys about `max_tokens_per_round` tokens); typical acceptance needs the distribution at every
+node and decides here with the pure functions below. No draft service is involved.
 
 Acceptance rules, all over the same tree (node 0 the root; children tried in node order):
-- greedy: follow the child equal to the target's argmax; output = target-only greedy, exactly;
+- greedy (`specwire.acceptance.accept_tree_greedy`): follow the child equal to the target's
+  argmax; output = target-only greedy, exactly;
 - typical (Medusa-2, LOSSY): accept while p(x) > min(ε, δ·exp(−H(p)));
 - lossless sampling (`specwire.acceptance.accept_tree_sampled`): the target's distribution
   exactly; decided in the target service (`Verify` with the tree), so p stays there.
@@ -29,11 +32,11 @@ from specwire.orchestrator.context import DecodeContext
 from specwire.orchestrator.params import parse_medusa_choices
 from specwire.orchestrator.sampling import choose
 
-from specwire.acceptance import accept_tree_sampled
+from specwire.acceptance import accept_tree_greedy, accept_tree_sampled
 from specwire.errors import FailedPrecondition
 from specwire.medusa import TreeLayout, build_tree, tree_children, tree_path
 from specwire.processing import draw
-from specwire.session import OpenRequest, ScoreKind, Scores, Scoring, StepRequest, Verification
+from specwire.session import OpenRequest, ScoreKind, Scores, Scoring, StepRequest, Verdict, Verification
 
 # The 24 paths of top-k indices with the highest measured match rates for the demo target and its
 # shipped heads, on greedy continuations of held-out stdlib files (`tune_medusa_tree`, docs/medusa.md).
@@ -41,25 +44,6 @@ DEFAULT_CHOICES: list[list[int]] = [
     [0], [1], [0, 0], [1, 0], [0, 1], [0, 1, 1], [0, 0, 0], [1, 0, 0], [2], [3], [1, 1], [1, 1, 0],
     [0, 0, 1], [0, 2], [0, 5], [4], [2, 0], [0, 0, 2], [5], [1, 3], [0, 1, 0], [0, 4], [2, 5], [0, 2, 0],
 ]  # fmt: skip
-
-
-def accept_tree_greedy(
-    node_tokens: torch.Tensor, parents: list[int], target_argmax: torch.Tensor, start: int = 0
-) -> tuple[list[int], int]:
-    """The longest path whose every token equals the target's argmax at its parent.
-
-    node_tokens: [n]; target_argmax: [n] (the argmax of the distribution after each node).
-    `start`: the node the rule starts at (its ancestors are decided tokens, kept as they are).
-    Returns (accepted path of node indices from the root, next token = argmax at its end).
-    """
-    children = tree_children(parents)
-    node = start
-    while True:
-        wanted = int(target_argmax[node])
-        match = next((c for c in children[node] if int(node_tokens[c]) == wanted), None)
-        if match is None:
-            return tree_path(parents, node), wanted
-        node = match
 
 
 def typical_ok(probs: torch.Tensor, tokens: torch.Tensor, threshold: float, alpha: float) -> torch.Tensor:
@@ -114,9 +98,11 @@ async def medusa(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
     choices = params.medusa_choices or tuned or DEFAULT_CHOICES
     full = layout_for(choices, info.medusa_heads, info.medusa_heads)
     kind = ScoreKind.PROBS if params.do_sample else ScoreKind.ARGMAX
-    # Lossless rounds are decided in the target when it can (`Verify` with the tree): p stays there
-    # instead of crossing the wire dense, a row of the vocabulary a node.
-    remote = params.do_sample and params.medusa_acceptance == "lossless" and "verify_tree" in info.capabilities
+    # Greedy and lossless rounds are decided in the target when it can (`Verify` with the tree):
+    # p stays there instead of crossing the wire dense, a row of the vocabulary a node; and with
+    # "tree_rounds" several rounds run in one message, as `standard`'s multi-step rounds do.
+    multi = "tree_rounds" in info.capabilities and params.medusa_acceptance != "typical"
+    remote = multi or (params.do_sample and params.medusa_acceptance == "lossless" and "verify_tree" in info.capabilities)
     target = ctx.target_session()
     with ctx.round(tree_size=1):
         opening = Scoring(kind, positions=1)
@@ -125,14 +111,15 @@ async def medusa(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
         root = choose(result.scores, 0, ctx.generator)
     history_len, produced = len(ctx.prompt_ids) + 1, 1
     decided, kept = [root], list[int]()  # kept: the last tree's accepted path, for `tree_keep`
+    rounds = 0  # tree rounds a message: doubling from 1 while a message decides < max_tokens_per_round
     while True:
         yield decided
         remaining = params.max_new_tokens - produced
         if remaining <= 0:
             return
-        # Never verify more tokens than the output can take, nor past the context.
-        depth = min(remaining - 1, info.max_context - history_len)
-        layout = full if depth >= full.num_heads else layout_for(choices, info.medusa_heads, depth)
+        if multi:
+            rounds = min(2 * rounds or 1, _rounds_cap(ctx))
+        layout = _layout(choices, info.medusa_heads, full, remaining, info.max_context - history_len)
         with ctx.round(tree_size=layout.size) as current:
             result = await target.step(
                 StepRequest(
@@ -141,24 +128,50 @@ async def medusa(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
                     tree_parents=layout.parents,
                     tree_topk=layout.topk_index.tolist(),
                     scoring=Scoring(kind, positions=layout.size),
-                    verify=Verification(Scores(ScoreKind.PROBS), ctx.draw_seed()) if remote else None,
+                    verify=Verification(Scores(ScoreKind.PROBS), ctx.draw_seed() if params.do_sample else 0) if remote else None,
+                    tree_rounds=rounds if layout.size > 1 else 0,  # a root alone has no heads' nodes to fill
+                    tree_max_tokens=remaining if multi else 0,
                     trace=ctx.trace(),
                 )
             )
             assert result.tree_ids is not None
-            tokens = result.tree_ids.tolist()  # [n] the root, then the heads' candidates
-            if result.verdict is not None:
-                path, root = list(result.verdict.tree_path), result.verdict.next_token
-            else:
+            node_ids = result.tree_ids.tolist()  # every round's nodes: its root, then the heads' candidates
+            verdicts = result.round_verdicts or ([result.verdict] if result.verdict is not None else [])
+            if not verdicts:
                 assert result.scores is not None
-                path, root = _decide(ctx, torch.tensor(tokens), layout.parents, result.scores)
-            accepted = len(path) - 1
-            current.set(drafted=layout.size - 1, accepted=accepted)
-        _count(ctx, layout, path)
-        kept = path
-        decided = [tokens[i] for i in path[1:]] + [root]
-        history_len += len(decided)
+                path, root = _decide(ctx, torch.tensor(node_ids), layout.parents, result.scores)
+                verdicts = [Verdict(len(path) - 1, root, tuple(path), layout.size)]
+            decided, offset, drafted, accepted = [], 0, 0, 0
+            for verdict in verdicts:
+                if offset:  # a later round in the service: its tree is cut by the same rule
+                    layout = _layout(choices, info.medusa_heads, full, remaining, info.max_context - history_len)
+                nodes = node_ids[offset : offset + layout.size]
+                offset += layout.size
+                path, root = list(verdict.tree_path), verdict.next_token
+                if len(nodes) != layout.size or verdict.tree_nodes not in (0, layout.size):
+                    raise RuntimeError(f"the target's tree round has {verdict.tree_nodes} nodes, {layout.size} expected")
+                _count(ctx, layout, path)
+                drafted, accepted = drafted + layout.size - 1, accepted + len(path) - 1
+                tokens = [nodes[i] for i in path[1:]] + [root]
+                decided += tokens
+                history_len += len(tokens)
+                remaining -= len(tokens)
+                kept = path
+            current.set(drafted=drafted, accepted=accepted, tree_rounds=len(verdicts))
         produced += len(decided)
+
+
+def _layout(choices: list[list[int]], heads: int, full: TreeLayout, remaining: int, room: int) -> TreeLayout:
+    """A round's tree: never more tokens than the output can take, nor past the context."""
+    depth = min(remaining - 1, room)
+    return full if depth >= full.num_heads else layout_for(choices, heads, depth)
+
+
+def _rounds_cap(ctx: DecodeContext) -> int:
+    """Rounds a message at most: about `max_tokens_per_round` tokens at the rounds' mean so far."""
+    stats = ctx.stats
+    per_round = (stats.accepted_tokens + stats.tree_rounds) / stats.tree_rounds if stats.tree_rounds else 1.0
+    return max(1, round(ctx.max_tokens_per_round / per_round))
 
 
 def _decide(ctx: DecodeContext, tokens: torch.Tensor, parents: list[int], scores: Scores) -> tuple[list[int], int]:

@@ -29,11 +29,10 @@ import torch
 import torch.nn.functional as F
 from specwire.draft_service.ngram import ngram_proposal
 from specwire.orchestrator.context import DecodeContext, Round
-from specwire.orchestrator.medusa import accept_tree_greedy
 from specwire.orchestrator.params import MAX_SPECULATIVE_TOKENS
 from specwire.orchestrator.speedup import AcceptanceMemory, RunningEstimates
 
-from specwire.acceptance import accept_draft
+from specwire.acceptance import accept_draft, accept_tree_greedy
 from specwire.processing import ProcessingConfig
 from specwire.serving import MAX_MESSAGE_BYTES
 from specwire.session import ModelInfo, OpenRequest, ScoreKind, Scores, Scoring, StepRequest, StepResult, Verification

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from specwire.medusa import tree_children
+from specwire.medusa import tree_children, tree_path
 from specwire.processing import draw
 
 
@@ -119,3 +119,22 @@ def accept_tree_sampled(
         walking = moved
     next_token = draw(probs, generator)  # [B]
     return at, next_token
+
+
+def accept_tree_greedy(
+    node_tokens: torch.Tensor, parents: list[int], target_argmax: torch.Tensor, start: int = 0
+) -> tuple[list[int], int]:
+    """The longest path whose every token equals the target's argmax at its parent.
+
+    node_tokens: [n]; target_argmax: [n] (the argmax of the distribution after each node).
+    `start`: the node the rule starts at (its ancestors are decided tokens, kept as they are).
+    Returns (accepted path of node indices from the root, next token = argmax at its end).
+    """
+    children = tree_children(parents)
+    node = start
+    while True:
+        wanted = int(target_argmax[node])
+        match = next((c for c in children[node] if int(node_tokens[c]) == wanted), None)
+        if match is None:
+            return tree_path(parents, node), wanted
+        node = match

@@ -163,6 +163,15 @@ def tree_children(parents: list[int]) -> list[list[int]]:
     return children
 
 
+def cut_tree(parents: list[int], topk: list[int], depth: int) -> tuple[list[int], list[int]]:
+    """The tree's nodes at depth ≤ `depth`, in their order, with their parents re-indexed and the
+    other nodes' `topk` (one entry a node below the root, as `Step.tree_topk`). Choices sorted by
+    depth (`build_tree`) cut this way equal the tree built from the choices of ≤ `depth` nodes."""
+    kept = [node for node, at in enumerate(tree_depths(parents)) if at <= depth]
+    index = {node: i for i, node in enumerate(kept)}
+    return [parents[node] if parents[node] < 0 else index[parents[node]] for node in kept], [topk[node - 1] for node in kept[1:]]
+
+
 @dataclass(frozen=True)
 class TreeLayout:
     """A Medusa candidate tree, laid out once per `medusa_choices`. n = len(choices) + 1 nodes."""

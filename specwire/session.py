@@ -83,6 +83,7 @@ class Verdict:
     accepted_len: int
     next_token: int
     tree_path: tuple[int, ...] = ()  # a tree's accepted nodes from the root; () for a chain
+    tree_nodes: int = 0  # in `StepResult.round_verdicts`: the round's node count
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ class StepRequest:
     verify: Verification | None = None
     propose_ids_only: bool = False  # no proposal_scores in the result
     propose_alternatives: int = 0  # greedy proposals: the k next-best ids at each position too
+    tree_rounds: int = 0  # Medusa rounds decided in the service in this message (0 = one)
+    tree_max_tokens: int = 0  # with tree_rounds: the most tokens they may decide (0 = no bound)
     trace: dict[str, str] | None = None
 
 
@@ -161,7 +164,8 @@ class StepResult:
     verdict: Verdict | None = None  # a step with `verify`: its decision, in place of scores
     timing: ServerTiming = field(default_factory=ServerTiming)
     medusa_ids: torch.Tensor | None = None  # [rows, heads, medusa_top_k]
-    tree_ids: torch.Tensor | None = None  # [n] the nodes the service built (`tree_topk`)
+    tree_ids: torch.Tensor | None = None  # [n] the nodes the service built (`tree_topk`), every round's
+    round_verdicts: list[Verdict] = field(default_factory=list)  # `tree_rounds`: each round's decision
     alternative_ids: torch.Tensor | None = None  # [branches, n, k] (`propose_alternatives`)
 
 

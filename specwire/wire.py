@@ -221,6 +221,8 @@ def step_to_pb(request: StepRequest) -> model_pb2.SessionRequest:
         tree_topk=request.tree_topk,
         propose_ids_only=request.propose_ids_only,
         propose_alternatives=request.propose_alternatives,
+        tree_rounds=request.tree_rounds,
+        tree_max_tokens=request.tree_max_tokens,
         trace=_trace_to_pb(request.trace),
     )
     if request.keep_tokens is not None:
@@ -257,6 +259,8 @@ def step_from_pb(message: model_pb2.Step) -> StepRequest:
         verify=_verification_from_pb(message.verify) if message.HasField("verify") else None,
         propose_ids_only=message.propose_ids_only,
         propose_alternatives=message.propose_alternatives,
+        tree_rounds=message.tree_rounds,
+        tree_max_tokens=message.tree_max_tokens,
         trace=_trace_from_pb(message.trace),
     )
 
@@ -302,10 +306,22 @@ def result_to_pb(result: StepResult) -> model_pb2.SessionReply:
     if result.alternative_ids is not None:
         reply.alternative_ids.CopyFrom(tensor_to_pb(result.alternative_ids.to(torch.int32)))
     if result.verdict is not None:
-        reply.verdict.accepted_length = result.verdict.accepted_len
-        reply.verdict.next_token = result.verdict.next_token
-        reply.verdict.tree_path.extend(result.verdict.tree_path)
+        reply.verdict.CopyFrom(_verdict_to_pb(result.verdict))
+    reply.round_verdicts.extend(_verdict_to_pb(verdict) for verdict in result.round_verdicts)
     return reply
+
+
+def _verdict_to_pb(verdict: Verdict) -> model_pb2.Verdict:
+    return model_pb2.Verdict(
+        accepted_length=verdict.accepted_len,
+        next_token=verdict.next_token,
+        tree_path=verdict.tree_path,
+        tree_nodes=verdict.tree_nodes,
+    )
+
+
+def _verdict_from_pb(message: model_pb2.Verdict) -> Verdict:
+    return Verdict(message.accepted_length, message.next_token, tuple(message.tree_path), message.tree_nodes)
 
 
 def result_from_pb(reply: model_pb2.SessionReply) -> StepResult:
@@ -317,10 +333,8 @@ def result_from_pb(reply: model_pb2.SessionReply) -> StepResult:
         medusa_ids=tensor_from_pb(reply.medusa_ids) if reply.HasField("medusa_ids") else None,
         tree_ids=tensor_from_pb(reply.tree_ids) if reply.HasField("tree_ids") else None,
         alternative_ids=tensor_from_pb(reply.alternative_ids) if reply.HasField("alternative_ids") else None,
-        verdict=(
-            Verdict(reply.verdict.accepted_length, reply.verdict.next_token, tuple(reply.verdict.tree_path))
-            if reply.HasField("verdict") else None
-        ),
+        verdict=_verdict_from_pb(reply.verdict) if reply.HasField("verdict") else None,
+        round_verdicts=[_verdict_from_pb(verdict) for verdict in reply.round_verdicts],
         timing=ServerTiming(
             queue_us=reply.timing.queue_us,
             compute_us=reply.timing.compute_us,

@@ -1,9 +1,11 @@
 """Tree verification in the engine: every node's logits equal a plain forward over its own path,
 and keeping a path compacts its KV so later steps equal a fresh prefill (Llama and GPT-2, on the
-batching engine and on `--engine hf`)."""
+batching engine and on `--engine hf`); greedy rounds decided in the service, several to a
+message (`tree_rounds`), continue target greedy within their budget and the context."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +14,8 @@ import torch
 
 from specwire.engine import CausalLM, Engine, EngineLimits
 from specwire.errors import InvalidArgument
-from specwire.medusa import build_tree, tree_path, tree_tokens
-from specwire.session import Extras, OpenRequest, ScoreKind, Scoring, StepRequest
+from specwire.medusa import build_tree, cut_tree, tree_path, tree_tokens
+from specwire.session import Extras, OpenRequest, ScoreKind, Scores, Scoring, StepRequest, Verification
 from tests.conftest import hf_model
 from tests.medusa_tiny import medusa_engine
 
@@ -184,3 +186,99 @@ def test_entropix_metrics_on_a_service_with_heads_equal_a_plain_service(
             StepRequest(append_ids=[3], scoring=Scoring(ScoreKind.ARGMAX, positions=1, medusa_top_k=2,
                                                         extras=Extras(attention_stats=True)))
         )
+
+
+def _greedy_reference(engine: Engine, prompt: list[int], count: int) -> list[int]:
+    """`count` tokens of plain greedy decoding on the same engine (`propose`)."""
+    session = engine.new_session()
+    first = session.open(OpenRequest(prompt, scoring=Scoring(ScoreKind.ARGMAX, positions=1)))
+    assert first.scores is not None and first.scores.argmax_ids is not None
+    token = int(first.scores.argmax_ids[0])
+    rest = session.step(StepRequest(append_ids=[token], propose=count - 1, propose_greedy=True, propose_ids_only=True))
+    assert rest.proposed_ids is not None
+    return [token, *rest.proposed_ids[0].tolist()]
+
+
+@pytest.mark.parametrize("plan", [[(1, 29), (2, 29), (4, 7), (64, 5), (64, 20)], [(64, 29)]], ids=["doubling", "one"])
+def test_tree_rounds_decide_target_greedy_within_their_budget(
+    model_and_heads: tuple[Path, Path], batching: bool, plan: list[tuple[int, int]]
+) -> None:
+    """Greedy rounds decided in the service, several to a message, continue target greedy
+    exactly; a message decides at most `tree_max_tokens`, its later trees cut to what is left,
+    each rooted at the token decided before it; the next message keeps the last round's path."""
+    engine = medusa_engine(*model_and_heads, batching)
+    total = 30
+    expected = _greedy_reference(engine, PROMPT, total)
+    session = engine.new_session()
+    first = session.open(OpenRequest(PROMPT, scoring=Scoring(ScoreKind.ARGMAX, positions=1)))
+    assert first.scores is not None and first.scores.argmax_ids is not None
+    decided, kept, topk = [int(first.scores.argmax_ids[0])], list[int](), TREE.topk_index.tolist()
+    for rounds, most in plan:
+        budget = min(most, total - len(decided))
+        if budget <= 0:
+            break
+        parents, cut = cut_tree(TREE.parents, topk, min(3, budget - 1))
+        result = session.step(
+            StepRequest(
+                tree_keep=kept, append_ids=[decided[-1]], tree_parents=parents, tree_topk=cut,
+                scoring=Scoring(ScoreKind.ARGMAX, positions=len(parents)), verify=Verification(Scores(ScoreKind.PROBS), 0),
+                tree_rounds=rounds, tree_max_tokens=budget,
+            )
+        )
+        verdicts = result.round_verdicts
+        assert result.verdict is None and 1 <= len(verdicts) <= rounds
+        assert result.timing.forward_calls == len(verdicts)
+        assert result.tree_ids is not None
+        ids, offset, new = result.tree_ids.tolist(), 0, list[int]()
+        for verdict in verdicts:
+            assert verdict.tree_nodes == len(cut_tree(TREE.parents, topk, min(3, budget - len(new) - 1))[0])
+            nodes = ids[offset : offset + verdict.tree_nodes]
+            offset += verdict.tree_nodes
+            assert nodes[0] == (decided + new)[-1]
+            new += [nodes[i] for i in verdict.tree_path[1:]] + [verdict.next_token]
+        assert offset == len(ids)
+        assert len(new) <= budget and (len(verdicts) == rounds or len(new) == budget)
+        decided += new
+        kept = list(verdicts[-1].tree_path)
+    assert decided == expected
+
+
+def test_tree_rounds_stop_at_the_context(llama_target_dir: Path, llama_heads_dir: Path) -> None:
+    lm = CausalLM.load(str(llama_target_dir), device="cpu", dtype="float32")
+    lm.attach_medusa(str(llama_heads_dir))
+    engine = Engine(lm, "target", EngineLimits(max_cache_len=len(PROMPT) + 12))
+    session = engine.new_session()
+    first = session.open(OpenRequest(PROMPT, scoring=Scoring(ScoreKind.ARGMAX, positions=1)))
+    assert first.scores is not None and first.scores.argmax_ids is not None
+    result = session.step(
+        StepRequest(
+            append_ids=[int(first.scores.argmax_ids[0])], tree_parents=TREE.parents, tree_topk=TREE.topk_index.tolist(),
+            scoring=Scoring(ScoreKind.ARGMAX, positions=TREE.size), verify=Verification(Scores(ScoreKind.PROBS), 0),
+            tree_rounds=64,
+        )
+    )
+    # Up to the context's last position, whose logits decide one token more (as `max_context` allows).
+    assert 1 + sum(len(verdict.tree_path) for verdict in result.round_verdicts) == 12 + 1
+    assert result.round_verdicts[-1].tree_nodes < TREE.size  # cut to the room left
+
+
+def test_bad_tree_rounds_are_refused(llama_target_dir: Path, llama_heads_dir: Path) -> None:
+    session = medusa_engine(llama_target_dir, llama_heads_dir).new_session()
+    session.open(OpenRequest(PROMPT, scoring=Scoring(ScoreKind.ARGMAX, positions=1)))
+    greedy = Verification(Scores(ScoreKind.PROBS), 0)
+    tree = StepRequest(
+        append_ids=[11], tree_parents=TREE.parents, tree_topk=TREE.topk_index.tolist(),
+        scoring=Scoring(ScoreKind.ARGMAX, positions=TREE.size), verify=greedy, tree_rounds=2,
+    )
+    cases = [
+        (replace(tree, tree_rounds=65), "^tree_rounds: must be in"),
+        (replace(tree, tree_rounds=-1), "^tree_rounds: must be in"),
+        (replace(tree, verify=None), "^tree_rounds: more than one round needs"),
+        (replace(tree, tree_topk=[], append_ids=NODES), "^tree_rounds: more than one round needs"),
+        (replace(tree, tree_max_tokens=-3), "^tree_max_tokens"),
+        (replace(tree, scoring=Scoring(ScoreKind.LOGITS, positions=TREE.size)), "^verify: a tree's verification"),
+    ]
+    for request, message in cases:
+        with pytest.raises(InvalidArgument, match=message):
+            session.step(request)
+    assert len(session.step(tree).round_verdicts) == 2  # the session still serves

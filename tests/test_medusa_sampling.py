@@ -7,11 +7,14 @@
   (chi-square, p > 0.001) at temperature 1 and with top-p 0.9. Two wrong rules fail it.
 - Lossless, over gRPC: 1k generations at T = 0.7 with distinct seeds; the second and third
   tokens (the first two a tree verifies) follow the target's exact marginals.
+- Lossless, two rounds in one message (`tree_rounds`): the two tokens after a root follow the
+  target jointly; a second round rooted at the wrong token fails the same test.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -23,10 +26,14 @@ import torch
 from specwire.client import AsyncClient, Client, GenerationError
 from specwire.orchestrator.medusa import accept_tree_greedy, accept_tree_sampled, accept_tree_typical, typical_ok
 
+from specwire.engine import Engine
+from specwire.engine.session import EngineSession
 from specwire.medusa import build_tree, tree_attention, tree_depths, tree_path
 from specwire.processing import ProcessingConfig
+from specwire.session import OpenRequest, ScoreKind, Scores, Scoring, StepRequest, Verdict, Verification
 from tests.goodness_of_fit import chi_square_pvalue
 from tests.harness import Stack
+from tests.medusa_tiny import medusa_engine
 from tests.test_losslessness import E2E_SAMPLES, TwoStepDistributions
 
 pytest_plugins = ["tests.spec_fixtures", "tests.medusa_fixtures"]
@@ -229,3 +236,69 @@ def test_typical_acceptance_runs_and_bad_requests_are_refused(small_medusa_stack
             client.generate("abcab", strategy="medusa", **params)
     with pytest.raises(GenerationError, match="FAILED_PRECONDITION.*Medusa heads"):
         Client(llama_stack.address).generate("abc", strategy="medusa")
+
+
+# -- rounds decided in the service, several to a message ---------------------------------------
+
+
+def _two_tokens_in_one_message(engine: Engine, prompt: list[int], root: int, samples: int) -> np.ndarray:
+    """[samples, 2]: the two tokens after `root` from one `tree_rounds` message each: a one-node
+    tree (the heads' runner-up) at temperature 0.7 and a budget of two tokens, so a rejection is
+    followed by a second round in the service, rooted at the token the first one drew."""
+    tree = build_tree([[1]])
+    out = []
+    for seed in range(samples):
+        session = engine.new_session()
+        session.open(OpenRequest(prompt, ProcessingConfig(temperature=0.7), scoring=Scoring(ScoreKind.PROBS, positions=1)))
+        result = session.step(
+            StepRequest(
+                append_ids=[root], tree_parents=tree.parents, tree_topk=tree.topk_index.tolist(),
+                scoring=Scoring(ScoreKind.PROBS, positions=tree.size), verify=Verification(Scores(ScoreKind.PROBS), seed),
+                tree_rounds=2, tree_max_tokens=2,
+            )
+        )
+        assert result.tree_ids is not None
+        ids, offset, tokens = result.tree_ids.tolist(), 0, []
+        for verdict in result.round_verdicts:
+            tokens += [ids[offset + i] for i in verdict.tree_path[1:]] + [verdict.next_token]
+            offset += verdict.tree_nodes
+        session.close()
+        out.append(tokens)
+    return np.array(out)
+
+
+@pytest.fixture(scope="module")
+def rounds_case(small_target_dir: Path, small_heads_dir: Path, char_tokenizer: Any) -> tuple[Engine, list[int], int, np.ndarray]:
+    engine = medusa_engine(small_target_dir, small_heads_dir)
+    prompt = char_tokenizer("abcab").input_ids
+    root = int(TwoStepDistributions(small_target_dir, prompt, ProcessingConfig(temperature=0.7)).first.argmax())
+    given_root = TwoStepDistributions(small_target_dir, [*prompt, root], ProcessingConfig(temperature=0.7))
+    expected = (given_root.first[:, None] * given_root.second).numpy()  # [V, V]: p(x, y | prompt, root)
+    return engine, prompt, root, expected
+
+
+def test_sampled_rounds_in_one_message_follow_the_target(rounds_case: tuple[Engine, list[int], int, np.ndarray]) -> None:
+    engine, prompt, root, expected = rounds_case
+    vocab = expected.shape[0]
+    tokens = _two_tokens_in_one_message(engine, prompt, root, E2E_SAMPLES)
+    pvalue = chi_square_pvalue(np.bincount(tokens[:, 0] * vocab + tokens[:, 1], minlength=vocab * vocab), expected)
+    print(f"two tokens after the root from one message: p={pvalue:.4f}")
+    assert pvalue > ALPHA
+
+
+def test_a_second_round_at_the_wrong_root_fails_the_same_test(
+    rounds_case: tuple[Engine, list[int], int, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Negative control: the second round rooted at the first round's root, not at its draw."""
+    engine, prompt, root, expected = rounds_case
+    vocab = expected.shape[0]
+    right = EngineSession._next_tree
+
+    def wrong_root(self: EngineSession, request: StepRequest, verdict: Verdict, decided: int) -> bool:
+        return right(self, request, dataclasses.replace(verdict, next_token=request.append_ids[0]), decided)
+
+    monkeypatch.setattr(EngineSession, "_next_tree", wrong_root)
+    tokens = _two_tokens_in_one_message(engine, prompt, root, E2E_SAMPLES)
+    pvalue = chi_square_pvalue(np.bincount(tokens[:, 0] * vocab + tokens[:, 1], minlength=vocab * vocab), expected)
+    print(f"second round at the wrong root: p={pvalue:.3g}")
+    assert pvalue < ALPHA

@@ -177,7 +177,7 @@ def test_a_malformed_tree_verification_names_its_field_and_the_session_goes_on(e
     nodes, every = [4, 7, 9], Scoring(ScoreKind.PROBS, positions=3)
     cases: list[tuple[Scores, Scoring, str]] = [
         (sparse_draft_probs(drafts, q), every, "verify.draft_probs"),  # the nodes are the drafts: no q
-        (Scores(ScoreKind.PROBS), Scoring(ScoreKind.ARGMAX, positions=3), "verify"),
+        (Scores(ScoreKind.PROBS), Scoring(ScoreKind.LOGITS, positions=3), "verify"),  # ARGMAX is greedy
         (Scores(ScoreKind.PROBS), Scoring(ScoreKind.PROBS, positions=3, top_n=2), "verify"),
         (Scores(ScoreKind.PROBS), Scoring(ScoreKind.PROBS, positions=2), "scoring.positions"),
     ]

@@ -135,7 +135,7 @@ class Engine:
             tokenizer_fingerprint=self._fingerprint,
             eos_token_ids=self.lm.eos_token_ids,
             max_context=self.max_tokens,
-            capabilities=["session", "propose", "branches", "tree", "verify", "verify_tree", "entropy", "attention_stats"]
+            capabilities=["session", "propose", "branches", "tree", "verify", "verify_tree", "tree_rounds", "entropy", "attention_stats"]
             + (["batching"] if self.batches else [])
             + (["medusa"] if self.lm.medusa is not None else []),
             role=self.role,

@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from specwire import attention_probe
-from specwire.acceptance import accept_draft, accept_tree_sampled
+from specwire.acceptance import accept_draft, accept_tree_greedy, accept_tree_sampled
 from specwire.engine.batch_costs import CURVE_POSITIONS
 from specwire.engine.cache import SlotCache
 from specwire.engine.model import CausalLM
@@ -29,7 +29,7 @@ from specwire.engine.scheduler import ForwardJob, Scheduler, synchronize
 from specwire.entropy_metrics import PositionMetrics, token_entropy
 from specwire.errors import InvalidArgument, StatusError, check_token_ids
 from specwire.feature_drafter import FeatureDrafter, FeatureDrafterState
-from specwire.medusa import MedusaHeads, tree_attention, tree_depths, tree_path
+from specwire.medusa import MedusaHeads, cut_tree, tree_attention, tree_depths, tree_path
 from specwire.processing import (
     ProcessingConfig,
     apply_penalties,
@@ -53,6 +53,7 @@ from specwire.session import (
 MAX_BRANCHES = 64
 MAX_PROPOSE = 64
 MAX_ALTERNATIVES = 8  # `propose_alternatives`: next-best ids per proposed position
+MAX_TREE_ROUNDS = 64  # `tree_rounds`: Medusa rounds in one message
 LOAD_REFRESH = 16  # replies at the same batch rows between two that carry its costs
 
 def encode_probs(probs: torch.Tensor, config: ProcessingConfig, columns: torch.Tensor | None = None) -> Scores:
@@ -552,10 +553,21 @@ class EngineSession:
         if request.verify is not None:
             if request.verify.draft_probs.rows:
                 raise InvalidArgument("verify.draft_probs", "must be empty with tree_parents: the nodes are the drafts")
-            if request.scoring.kind != ScoreKind.PROBS or request.scoring.top_n:
-                raise InvalidArgument("verify", "a tree's verification needs scoring PROBS at every node, top_n 0")
+            if request.scoring.kind not in (ScoreKind.PROBS, ScoreKind.ARGMAX) or request.scoring.top_n:
+                raise InvalidArgument(
+                    "verify", "a tree's verification needs scoring PROBS (sampled) or ARGMAX (greedy) at every node, top_n 0"
+                )
+        if not 0 <= request.tree_rounds <= MAX_TREE_ROUNDS:
+            raise InvalidArgument("tree_rounds", f"must be in [0, {MAX_TREE_ROUNDS}], got {request.tree_rounds}")
+        if request.tree_rounds > 1 and (not request.tree_topk or request.verify is None):
+            raise InvalidArgument("tree_rounds", "more than one round needs tree_topk and verify: the heads fill, the service decides")
+        if request.tree_max_tokens < 0:
+            raise InvalidArgument("tree_max_tokens", f"must be ≥ 0, got {request.tree_max_tokens}")
         if request.tree_topk:
-            request = replace(request, append_ids=self._medusa_tree(request))
+            if len(request.append_ids) != 1:
+                raise InvalidArgument("tree_topk", "needs the root alone in append_ids")
+            filled = self._medusa_tree(request.tree_parents, request.tree_topk, request.append_ids[0])
+            request = replace(request, append_ids=filled)
         if len(request.tree_parents) != len(request.append_ids):
             raise InvalidArgument(
                 "tree_parents", f"has {len(request.tree_parents)} entries for {len(request.append_ids)} append_ids"
@@ -577,42 +589,82 @@ class EngineSession:
                 "scoring.positions", f"must equal the tree's {len(request.append_ids)} nodes, got {request.scoring.positions}"
             )
         check_token_ids(request.append_ids, self.lm.vocab_size, "append_ids")
-        start = self.length
-        self.tokens = torch.cat([self.tokens, torch.tensor([request.append_ids], dtype=torch.long)], dim=1)
-        self.tree_start, self.tree_parents = start, list(request.tree_parents)
-        self.last_hidden, self.tree_hidden = None, None  # the nodes are not committed; scoring fills tree_hidden
+        self._append_tree(request.append_ids, request.tree_parents)
         if request.verify is not None:
-            return self._verify_tree(request.scoring, request.verify)
+            return self._verify_tree(request)
         return self._finish(request.scoring, 0, False, 0, 0.0, tree=self.tree_parents)
 
-    def _verify_tree(self, scoring: Scoring, verify: Verification) -> StepResult:
-        """Lossless sampling over the tree's nodes decided here (`acceptance.accept_tree_sampled`):
-        the nodes are deterministic candidates, so no q comes with them; the draws from the seed."""
+    def _append_tree(self, ids: list[int], parents: list[int]) -> None:
+        start = self.length
+        self.tokens = torch.cat([self.tokens, torch.tensor([ids], dtype=torch.long)], dim=1)
+        self.tree_start, self.tree_parents = start, list(parents)
+        self.last_hidden, self.tree_hidden = None, None  # the nodes are not committed; scoring fills tree_hidden
+
+    def _verify_tree(self, request: StepRequest) -> StepResult:
+        """The tree decided here, the draws from the request's seed; with `tree_rounds`, further
+        rounds of it follow, each rooted at the token the last one decided (`_next_tree`)."""
+        assert request.verify is not None
         calls_before = self.forward_calls
+        generator = torch.Generator().manual_seed(request.verify.seed)
+        scoring, verdicts, nodes, decided = request.scoring, [], [], 0
+        while True:
+            verdict = self._decide_tree(scoring, generator)
+            verdicts.append(verdict)
+            nodes.append(self.tokens[0, -verdict.tree_nodes :])
+            decided += len(verdict.tree_path)  # the accepted nodes below the root, and the next token
+            if len(verdicts) >= request.tree_rounds or not self._next_tree(request, verdict, decided):
+                break
+            scoring = replace(scoring, positions=len(self.tree_parents))
+        tree_ids = torch.cat(nodes).to(torch.int32)
+        timing = ServerTiming(forward_calls=self.forward_calls - calls_before)
+        if request.tree_rounds:
+            return StepResult(num_tokens=self.length, round_verdicts=verdicts, tree_ids=tree_ids, timing=timing)
+        return StepResult(num_tokens=self.length, verdict=verdicts[0], tree_ids=tree_ids, timing=timing)
+
+    def _decide_tree(self, scoring: Scoring, generator: torch.Generator) -> Verdict:
+        """Score the appended tree and decide it: greedy (`acceptance.accept_tree_greedy`) or
+        lossless sampling (`acceptance.accept_tree_sampled`: the nodes are deterministic candidates,
+        so no q comes with them)."""
         parents = self.tree_parents
         scores, _ = self._score(scoring, tree=parents)
         assert scores is not None
-        probs = scores.to_dense(self.lm.vocab_size, 0.0).float().cpu()  # [nodes, vocab]
         nodes = self.tokens[0, -len(parents) :]
-        last, next_token = accept_tree_sampled(nodes.cpu(), parents, probs[None], torch.Generator().manual_seed(verify.seed))
+        if scoring.kind == ScoreKind.ARGMAX:
+            assert scores.argmax_ids is not None
+            path, next_token = accept_tree_greedy(nodes, parents, scores.argmax_ids)
+            return Verdict(len(path) - 1, next_token, tuple(path), len(parents))
+        probs = scores.to_dense(self.lm.vocab_size, 0.0).float().cpu()  # [nodes, vocab]
+        last, drawn = accept_tree_sampled(nodes, parents, probs[None], generator)
         path = tree_path(parents, int(last[0]))
-        return StepResult(
-            num_tokens=self.length,
-            verdict=Verdict(len(path) - 1, int(next_token[0]), tuple(path)),
-            tree_ids=nodes.to(torch.int32).cpu(),
-            timing=ServerTiming(forward_calls=self.forward_calls - calls_before),
-        )
+        return Verdict(len(path) - 1, int(drawn[0]), tuple(path), len(parents))
 
-    def _medusa_tree(self, request: StepRequest) -> list[int]:
+    def _next_tree(self, request: StepRequest, verdict: Verdict, decided: int) -> bool:
+        """Keep the round's path and append the next round's tree (`Step.tree_rounds`): the
+        request's tree cut to the depth the budget and the context leave. False, with nothing
+        changed, when none is left or the tree does not fit."""
+        assert self.tree_start is not None
+        committed = self.tree_start + len(verdict.tree_path)
+        depth = min(max(tree_depths(request.tree_parents)), self.max_tokens - committed - 1)
+        if request.tree_max_tokens:
+            depth = min(depth, request.tree_max_tokens - decided - 1)
+        if depth < 0:
+            return False
+        parents, topk = cut_tree(request.tree_parents, request.tree_topk, depth)
+        if committed + len(parents) > self.slots:
+            return False
+        self._keep_tree(list(verdict.tree_path))
+        self._append_tree(self._medusa_tree(parents, topk, verdict.next_token), parents)
+        return True
+
+    def _medusa_tree(self, parents: list[int], topk: list[int], root: int) -> list[int]:
         """`tree_topk`: the root, then node i's `tree_topk[i-1]`-th best id of head depth(i) − 1,
         the heads applied to the last committed token's kept hidden state (one row)."""
-        parents, topk = request.tree_parents, request.tree_topk
         if self.lm.medusa is None:
             raise InvalidArgument("tree_topk", "this service has no Medusa heads (--medusa)")
-        if len(request.append_ids) != 1 or len(topk) != len(parents) - 1:
-            raise InvalidArgument(
-                "tree_topk", f"needs the root alone in append_ids and {len(parents) - 1} entries, one per other node"
-            )
+        if len(topk) != len(parents) - 1:
+            raise InvalidArgument("tree_topk", f"needs {len(parents) - 1} entries, one per node below the root")
+        if len(parents) == 1:  # a later round cut to its root (`_next_tree`): nothing to draft
+            return [root]
         if any(not 0 <= k < self.lm.vocab_size for k in topk):
             raise InvalidArgument("tree_topk", f"entries must be in [0, {self.lm.vocab_size})")
         try:
@@ -624,12 +676,12 @@ class EngineSession:
         if self.last_hidden is None:
             raise InvalidArgument("tree_topk", "no hidden state at the last committed token: score it (or keep a scored tree's path) first")
         if isinstance(self.lm.medusa, FeatureDrafter):
-            top = self._draft_chain(parents, topk, request.append_ids[0])
+            top = self._draft_chain(parents, topk, root)
         else:
             with torch.inference_mode():
                 top = self.lm.medusa.top_ids(self.last_hidden[None], max(topk, default=0) + 1)[0].cpu()  # [heads, top_k]
         built = top[torch.tensor(heads, dtype=torch.long), torch.tensor(topk, dtype=torch.long)]  # [n−1]
-        return [*request.append_ids, *built.tolist()]
+        return [root, *built.tolist()]
 
     def _draft_chain(self, parents: list[int], topk: list[int], root: int) -> torch.Tensor:
         """[depth, top_k] ids from the feature drafter's chain. It drafts one chain, so every

@@ -150,7 +150,7 @@ class Scoring(_message.Message):
     def __init__(self, kind: _Optional[_Union[ScoreKind, str]] = ..., positions: _Optional[int] = ..., top_n: _Optional[int] = ..., logits_dtype: _Optional[str] = ..., extras: _Optional[_Union[ExtraOutputs, _Mapping]] = ..., score_ids: _Optional[_Iterable[int]] = ..., medusa_top_k: _Optional[int] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("keep_tokens", "branch_order", "append_ids", "scoring", "propose", "propose_greedy", "propose_seed", "propose_min_confidence", "tree_parents", "tree_keep", "tree_topk", "verify", "propose_ids_only", "propose_alternatives", "trace")
+    __slots__ = ("keep_tokens", "branch_order", "append_ids", "scoring", "propose", "propose_greedy", "propose_seed", "propose_min_confidence", "tree_parents", "tree_keep", "tree_topk", "verify", "propose_ids_only", "propose_alternatives", "tree_rounds", "tree_max_tokens", "trace")
     KEEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BRANCH_ORDER_FIELD_NUMBER: _ClassVar[int]
     APPEND_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,8 @@ class Step(_message.Message):
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_IDS_ONLY_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
+    TREE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    TREE_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
     keep_tokens: int
     branch_order: _containers.RepeatedScalarFieldContainer[int]
@@ -180,8 +182,10 @@ class Step(_message.Message):
     verify: Verify
     propose_ids_only: bool
     propose_alternatives: int
+    tree_rounds: int
+    tree_max_tokens: int
     trace: _common_pb2.TraceContext
-    def __init__(self, keep_tokens: _Optional[int] = ..., branch_order: _Optional[_Iterable[int]] = ..., append_ids: _Optional[_Iterable[int]] = ..., scoring: _Optional[_Union[Scoring, _Mapping]] = ..., propose: _Optional[int] = ..., propose_greedy: _Optional[bool] = ..., propose_seed: _Optional[int] = ..., propose_min_confidence: _Optional[float] = ..., tree_parents: _Optional[_Iterable[int]] = ..., tree_keep: _Optional[_Iterable[int]] = ..., tree_topk: _Optional[_Iterable[int]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., propose_ids_only: _Optional[bool] = ..., propose_alternatives: _Optional[int] = ..., trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
+    def __init__(self, keep_tokens: _Optional[int] = ..., branch_order: _Optional[_Iterable[int]] = ..., append_ids: _Optional[_Iterable[int]] = ..., scoring: _Optional[_Union[Scoring, _Mapping]] = ..., propose: _Optional[int] = ..., propose_greedy: _Optional[bool] = ..., propose_seed: _Optional[int] = ..., propose_min_confidence: _Optional[float] = ..., tree_parents: _Optional[_Iterable[int]] = ..., tree_keep: _Optional[_Iterable[int]] = ..., tree_topk: _Optional[_Iterable[int]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., propose_ids_only: _Optional[bool] = ..., propose_alternatives: _Optional[int] = ..., tree_rounds: _Optional[int] = ..., tree_max_tokens: _Optional[int] = ..., trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
 
 class Verify(_message.Message):
     __slots__ = ("draft_probs", "seed")
@@ -192,14 +196,16 @@ class Verify(_message.Message):
     def __init__(self, draft_probs: _Optional[_Union[Scores, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("accepted_length", "next_token", "tree_path")
+    __slots__ = ("accepted_length", "next_token", "tree_path", "tree_nodes")
     ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TREE_PATH_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     accepted_length: int
     next_token: int
     tree_path: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, accepted_length: _Optional[int] = ..., next_token: _Optional[int] = ..., tree_path: _Optional[_Iterable[int]] = ...) -> None: ...
+    tree_nodes: int
+    def __init__(self, accepted_length: _Optional[int] = ..., next_token: _Optional[int] = ..., tree_path: _Optional[_Iterable[int]] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("open", "step")
@@ -236,7 +242,7 @@ class Scores(_message.Message):
     def __init__(self, kind: _Optional[_Union[ScoreKind, str]] = ..., argmax_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., dense: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sparse_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sparse_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., varentropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., attention_entropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., attention_varentropy: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., agreement: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., interaction_strength: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class SessionReply(_message.Message):
-    __slots__ = ("scores", "proposed_ids", "proposal_scores", "num_tokens", "timing", "medusa_ids", "tree_ids", "verdict", "alternative_ids")
+    __slots__ = ("scores", "proposed_ids", "proposal_scores", "num_tokens", "timing", "medusa_ids", "tree_ids", "verdict", "round_verdicts", "alternative_ids")
     SCORES_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_IDS_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_SCORES_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +251,7 @@ class SessionReply(_message.Message):
     MEDUSA_IDS_FIELD_NUMBER: _ClassVar[int]
     TREE_IDS_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_VERDICTS_FIELD_NUMBER: _ClassVar[int]
     ALTERNATIVE_IDS_FIELD_NUMBER: _ClassVar[int]
     scores: Scores
     proposed_ids: _common_pb2.Tensor
@@ -254,5 +261,6 @@ class SessionReply(_message.Message):
     medusa_ids: _common_pb2.Tensor
     tree_ids: _common_pb2.Tensor
     verdict: Verdict
+    round_verdicts: _containers.RepeatedCompositeFieldContainer[Verdict]
     alternative_ids: _common_pb2.Tensor
-    def __init__(self, scores: _Optional[_Union[Scores, _Mapping]] = ..., proposed_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., proposal_scores: _Optional[_Union[Scores, _Mapping]] = ..., num_tokens: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ServerTiming, _Mapping]] = ..., medusa_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tree_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., alternative_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    def __init__(self, scores: _Optional[_Union[Scores, _Mapping]] = ..., proposed_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., proposal_scores: _Optional[_Union[Scores, _Mapping]] = ..., num_tokens: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ServerTiming, _Mapping]] = ..., medusa_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tree_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., round_verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., alternative_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
