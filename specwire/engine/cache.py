@@ -192,6 +192,10 @@ class SlotCache:
                     self._to_free(row)
             self._free.sort(reverse=True)
 
+    def rows_in_use(self) -> int:
+        with self._changed:
+            return self.shape.rows - len(set(self._free) | set(self._kept))
+
     def usage(self) -> CacheUsage:
         with self._changed:
             free = set(self._free) | set(self._kept)

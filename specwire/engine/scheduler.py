@@ -420,7 +420,10 @@ class Scheduler:
         sessions do between their forwards (a feature drafter's steps) computes on that thread's
         cores, not on a second OpenMP pool (module docstring), and never beside a forward.
         `owner`: the session whose job follows; the next forward waits for it, as for one served
-        with `more` (`Scheduler`), so sessions drafting in turn still verify together."""
+        with `more` (`Scheduler`), so sessions drafting in turn still verify together. Work that
+        runs on the forward thread already (a call's) runs in place."""
+        if self._on_forward_thread():
+            return work()
         _compute_single()
         waiting = _Call(work, owner)
         with self._mutex:
@@ -439,10 +442,16 @@ class Scheduler:
             _FORWARD_THREADS.add(self._worker)
             self._worker.start()
 
+    def _on_forward_thread(self) -> bool:
+        return threading.current_thread() is self._worker
+
     def run(self, job: ForwardJob) -> ForwardJob:
         """Queue `job` and return once the forward thread has its results in. The calling thread
-        computes on one thread from then on (module docstring)."""
-        _compute_single()
+        computes on one thread from then on (module docstring). From a call's work, on the forward
+        thread, the forward runs there and then (`_run_here`)."""
+        here = self._on_forward_thread()
+        if not here:
+            _compute_single()
         if job.new_tokens > PREFILL_CHUNK and job.tree_mask is None and job.positions is None:
             if job.pick is None:
                 return self._run_chunked(job)
@@ -450,6 +459,8 @@ class Scheduler:
             head = job.new_tokens - 1
             self._run_chunked(ForwardJob(job.rows, job.tokens[:, :head], job.start, 1))
             job.tokens, job.start = job.tokens[:, head:], job.start + head
+        if here:
+            return self._run_here(job)
         with self._mutex:
             self._queue.append(job)
             owner = id(job.owner)
@@ -465,6 +476,49 @@ class Scheduler:
         if job.error is not None:
             raise job.error
         return job
+
+    def _run_here(self, job: ForwardJob) -> ForwardJob:
+        """`run` on the forward thread, from a call's work (a session's rounds run there while it
+        is alone, `SlotKV.alone`): the queued calls first, then one forward of the job with every
+        job queued meanwhile, until the job is done. No hand-off to another thread and back."""
+        with self._mutex:
+            self._queue.append(job)
+        while not job.done:
+            with self._mutex:
+                calls, self._calls = self._calls, []
+                batch, self._queue = self._queue, []
+            self._run_calls(calls)
+            self._execute_batch(batch)
+        if job.error is not None:
+            raise job.error
+        return job
+
+    def _run_calls(self, calls: list[_Call]) -> None:
+        for waiting in calls:
+            waiting.run()
+            with self._mutex:  # awaited before its owner can send the job
+                if waiting.owner is not None and waiting.error is None:
+                    self._awaited.add(id(waiting.owner))
+            waiting.done.set()
+
+    def _execute_batch(self, batch: list[ForwardJob]) -> None:
+        """Forward `batch`; the jobs whose rounds go on are queued again, before any newer."""
+        if not batch:
+            return
+        # A job wider than PREFILL_CHUNK (a wide tree) runs alone: nothing pads past SLACK.
+        wide = [job for job in batch if job.new_tokens > PREFILL_CHUNK]
+        try:
+            for group in [[job] for job in wide] + [[job for job in batch if job.new_tokens <= PREFILL_CHUNK]]:
+                if group:
+                    self._execute(group)
+        except BaseException as error:  # a bug outside the forward: its jobs fail, serving goes on
+            log.exception("forward thread")
+            for job in batch:
+                if not job.done:
+                    job.error, job.done = error, True
+                    job._wake.set()
+        with self._mutex:
+            self._queue = [job for job in batch if not job.done] + self._queue  # rounds going on
 
     def _run_chunked(self, job: ForwardJob) -> ForwardJob:
         """A long prefill as a sequence of PREFILL_CHUNK-token jobs, batched with the others."""
@@ -517,28 +571,8 @@ class Scheduler:
                     batch = []
                 else:
                     batch, self._queue = self._queue, []
-            for waiting in calls:
-                waiting.run()
-                with self._mutex:  # awaited before its owner can send the job
-                    if waiting.owner is not None and waiting.error is None:
-                        self._awaited.add(id(waiting.owner))
-                waiting.done.set()
-            if not batch:
-                continue
-            # A job wider than PREFILL_CHUNK (a wide tree) runs alone: nothing pads past SLACK.
-            wide = [job for job in batch if job.new_tokens > PREFILL_CHUNK]
-            try:
-                for group in [[job] for job in wide] + [[job for job in batch if job.new_tokens <= PREFILL_CHUNK]]:
-                    if group:
-                        self._execute(group)
-            except BaseException as error:  # a bug outside the forward: its jobs fail, serving goes on
-                log.exception("forward thread")
-                for job in batch:
-                    if not job.done:
-                        job.error, job.done = error, True
-                        job._wake.set()
-            with self._mutex:
-                self._queue = [job for job in batch if not job.done] + self._queue  # rounds going on
+            self._run_calls(calls)
+            self._execute_batch(batch)
 
     def _execute(self, jobs: list[ForwardJob]) -> None:
         started = time.perf_counter()

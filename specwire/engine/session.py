@@ -147,6 +147,11 @@ class SessionKV(Protocol):
         """`work()` where the forwards compute (`Scheduler.call`): a feature drafter's steps."""
         ...
 
+    def compute_rounds(self, work: Callable[[], T]) -> T:
+        """`work()`, forwards and all, where the forwards compute while no other session holds
+        rows (`Scheduler._run_here`): no hand-off between threads at each forward; else here."""
+        ...
+
     def take_load(self) -> tuple[int, list[tuple[int, float]], list[tuple[int, float]]]:
         """The rows of the largest batched forward since the last call, and what a forward of
         that many rows, and of one row, costs by its width (`ServerTiming.batch_costs`,
@@ -254,6 +259,9 @@ class DynamicKV:
         self.crop(start + len(kept))
 
     def compute(self, work: Callable[[], T]) -> T:
+        return work()
+
+    def compute_rounds(self, work: Callable[[], T]) -> T:
         return work()
 
     def take_load(self) -> tuple[int, list[tuple[int, float]], list[tuple[int, float]]]:
@@ -429,6 +437,12 @@ class SlotKV:
 
     def compute(self, work: Callable[[], T]) -> T:
         return self.scheduler.call(work, owner=self)
+
+    def compute_rounds(self, work: Callable[[], T]) -> T:
+        # A session that arrives meanwhile is served by the same forwards (`_run_here`).
+        if self.cache.rows_in_use() > len(self.rows):
+            return work()
+        return self.scheduler.call(work)
 
     def take_load(self) -> tuple[int, list[tuple[int, float]], list[tuple[int, float]]]:
         """Curves only where they say something new (`ServerTiming.batch_costs`): above one row,
@@ -606,15 +620,24 @@ class EngineSession:
         assert request.verify is not None
         calls_before = self.forward_calls
         generator = torch.Generator().manual_seed(request.verify.seed)
-        scoring, verdicts, nodes, decided = request.scoring, [], [], 0
-        while True:
-            verdict = self._decide_tree(scoring, generator)
-            verdicts.append(verdict)
-            nodes.append(self.tokens[0, -verdict.tree_nodes :])
-            decided += len(verdict.tree_path)  # the accepted nodes below the root, and the next token
-            if len(verdicts) >= request.tree_rounds or not self._next_tree(request, verdict, decided):
-                break
-            scoring = replace(scoring, positions=len(self.tree_parents))
+        verdicts: list[Verdict] = []
+        nodes: list[torch.Tensor] = []
+
+        def rounds() -> None:
+            scoring, decided = request.scoring, 0
+            while True:
+                verdict = self._decide_tree(scoring, generator)
+                verdicts.append(verdict)
+                nodes.append(self.tokens[0, -verdict.tree_nodes :])
+                decided += len(verdict.tree_path)  # the accepted nodes below the root, and the next token
+                if len(verdicts) >= request.tree_rounds or not self._next_tree(request, verdict, decided):
+                    return
+                scoring = replace(scoring, positions=len(self.tree_parents))
+
+        if request.tree_rounds > 1:
+            self.kv.compute_rounds(rounds)
+        else:
+            rounds()
         tree_ids = torch.cat(nodes).to(torch.int32)
         timing = ServerTiming(forward_calls=self.forward_calls - calls_before)
         if request.tree_rounds:
