@@ -16,6 +16,7 @@ Everything here is a pure function or a plain module; the engine and the orchest
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,6 +144,13 @@ def tree_attention(parents: list[int]) -> torch.Tensor:
         if parent >= 0:
             allowed[index] |= allowed[parent]
     return allowed
+
+
+@functools.lru_cache(maxsize=256)
+def tree_shape(parents: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(depths [n] long, `tree_attention` [n, n] bool) of a tree, read-only: a served tree comes
+    back every round, and building them in Python took ~0.5 ms of a Gemma-3-270M round."""
+    return torch.tensor(tree_depths(list(parents)), dtype=torch.long), tree_attention(list(parents))
 
 
 def tree_path(parents: list[int], node: int) -> list[int]:

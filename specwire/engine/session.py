@@ -29,7 +29,7 @@ from specwire.engine.scheduler import ForwardJob, Scheduler, synchronize
 from specwire.entropy_metrics import PositionMetrics, token_entropy
 from specwire.errors import InvalidArgument, StatusError, check_token_ids
 from specwire.feature_drafter import FeatureDrafter, FeatureDrafterState
-from specwire.medusa import MedusaHeads, cut_tree, tree_attention, tree_depths, tree_path
+from specwire.medusa import MedusaHeads, cut_tree, tree_attention, tree_depths, tree_path, tree_shape
 from specwire.processing import (
     ProcessingConfig,
     apply_penalties,
@@ -389,8 +389,8 @@ class SlotKV:
         """As `DynamicKV.forward_tree`, batched with the other sessions' forwards (one row)."""
         job = ForwardJob(list(self.rows), tokens[:, start:], start, positions, want_hidden=True)
         if parents != list(range(-1, len(parents) - 1)):  # a chain needs neither (and may be chunked)
-            job.positions = (start + torch.tensor(tree_depths(parents), dtype=torch.long))[None]  # [1, new]
-            job.tree_mask = tree_attention(parents)  # [new, new]
+            depths, job.tree_mask = tree_shape(tuple(parents))  # [new], [new, new]
+            job.positions = (start + depths)[None]  # [1, new]
         self.run(job)
         assert job.logits is not None and job.hidden is not None
         return job.logits, job.hidden[0]
