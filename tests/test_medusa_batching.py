@@ -3,6 +3,7 @@ verification steps, and every output equals its solo run (greedy Medusa also equ
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -60,3 +61,54 @@ def test_medusa_sessions_batched_with_others_equal_their_solo_runs(llama_medusa_
     while backend.cache.usage().rows_in_use and time.monotonic() < deadline:
         time.sleep(0.05)
     assert backend.cache.usage().rows_in_use == 0
+
+
+def test_a_lone_sessions_rounds_on_the_forward_thread_serve_newcomers_too(llama_medusa_stack: Stack) -> None:
+    """A session alone runs a message's Medusa rounds on the forward thread (`Scheduler._run_here`);
+    sessions that open meanwhile are served by those same forwards, and every output equals its
+    solo run."""
+    client = Client(llama_medusa_stack.address)
+    first: tuple[list[int], dict[str, Any]] = (PROMPTS[0], {"strategy": "medusa", "max_new_tokens": 200})
+    newcomers: list[tuple[list[int], dict[str, Any]]] = [
+        (PROMPTS[1], {"strategy": "greedy", "max_new_tokens": 24}),
+        (PROMPTS[2], {"strategy": "medusa", "max_new_tokens": 24}),
+        (PROMPTS[3], {"strategy": "medusa", "temperature": 0.8, "seed": 5, "max_new_tokens": 24}),
+    ]
+
+    def run(job: tuple[list[int], dict[str, Any]]) -> list[int]:
+        prompt, kwargs = job
+        return list(client.generate(input_ids=prompt, ignore_eos=True, **kwargs).token_ids)
+
+    solo = [run(job) for job in [first, *newcomers]]
+    backend = llama_medusa_stack.target.servicer.backend
+    assert isinstance(backend, Engine) and backend.scheduler is not None
+    scheduler = backend.scheduler
+    inside, shared = threading.Event(), []
+    plain_here, plain_batch = scheduler._run_here, scheduler._execute_batch
+
+    def here(job: ForwardJob) -> ForwardJob:
+        inside.set()
+        try:
+            return plain_here(job)
+        finally:
+            inside.clear()
+
+    def batch(jobs: list[ForwardJob]) -> None:
+        if inside.is_set() and len({id(job.owner) for job in jobs}) > 1:
+            shared.append(len(jobs))
+        plain_batch(jobs)
+
+    scheduler._run_here, scheduler._execute_batch = here, batch  # type: ignore[method-assign]
+    try:
+        for _ in range(3):  # the newcomers must open while the first session's rounds run there
+            with ThreadPoolExecutor(max_workers=1 + len(newcomers)) as pool:
+                lone = pool.submit(run, first)
+                assert inside.wait(timeout=30)
+                later = [pool.submit(run, job) for job in newcomers]
+                together = [lone.result()] + [future.result() for future in later]
+            assert together == solo
+            if shared:
+                break
+    finally:
+        del scheduler._run_here, scheduler._execute_batch
+    assert shared  # a forward of the lone session's rounds carried a newcomer's job too
