@@ -83,11 +83,14 @@ def test_a_lone_sessions_rounds_on_the_forward_thread_serve_newcomers_too(llama_
     backend = llama_medusa_stack.target.servicer.backend
     assert isinstance(backend, Engine) and backend.scheduler is not None
     scheduler = backend.scheduler
-    inside, shared = threading.Event(), []
+    inside, deep, shared, entered = threading.Event(), threading.Event(), [], [0]
     plain_here, plain_batch = scheduler._run_here, scheduler._execute_batch
 
     def here(job: ForwardJob) -> ForwardJob:
         inside.set()
+        entered[0] += 1
+        if entered[0] == 16:  # the fifth message's first round (1, 2, 4, 8 rounds before it)
+            deep.set()
         try:
             return plain_here(job)
         finally:
@@ -101,9 +104,11 @@ def test_a_lone_sessions_rounds_on_the_forward_thread_serve_newcomers_too(llama_
     scheduler._run_here, scheduler._execute_batch = here, batch  # type: ignore[method-assign]
     try:
         for _ in range(3):  # the newcomers must open while the first session's rounds run there
+            entered[0] = 0
+            deep.clear()
             with ThreadPoolExecutor(max_workers=1 + len(newcomers)) as pool:
                 lone = pool.submit(run, first)
-                assert inside.wait(timeout=30)
+                assert deep.wait(timeout=30)
                 later = [pool.submit(run, job) for job in newcomers]
                 together = [lone.result()] + [future.result() for future in later]
             assert together == solo

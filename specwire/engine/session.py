@@ -149,7 +149,8 @@ class SessionKV(Protocol):
 
     def compute_rounds(self, work: Callable[[], T]) -> T:
         """`work()`, forwards and all, where the forwards compute while no other session holds
-        rows (`Scheduler._run_here`): no hand-off between threads at each forward; else here."""
+        rows (`Scheduler._run_here`): no hand-off between threads at each forward; else here
+        (sessions that share forwards hand their jobs in)."""
         ...
 
     def take_load(self) -> tuple[int, list[tuple[int, float]], list[tuple[int, float]]]:
@@ -498,7 +499,9 @@ class EngineSession:
         return self._with_load(self._open(request))
 
     def step(self, request: StepRequest) -> StepResult:
-        return self._with_load(self._step(request))
+        # Alone, the whole step runs where its forwards do: no hand-off between threads at each
+        # forward, and its own work (argmax, warping, acceptance) on that thread's cores.
+        return self._with_load(self.kv.compute_rounds(lambda: self._step(request)))
 
     def _with_load(self, result: StepResult) -> StepResult:
         timing = result.timing
@@ -622,22 +625,15 @@ class EngineSession:
         generator = torch.Generator().manual_seed(request.verify.seed)
         verdicts: list[Verdict] = []
         nodes: list[torch.Tensor] = []
-
-        def rounds() -> None:
-            scoring, decided = request.scoring, 0
-            while True:
-                verdict = self._decide_tree(scoring, generator)
-                verdicts.append(verdict)
-                nodes.append(self.tokens[0, -verdict.tree_nodes :])
-                decided += len(verdict.tree_path)  # the accepted nodes below the root, and the next token
-                if len(verdicts) >= request.tree_rounds or not self._next_tree(request, verdict, decided):
-                    return
-                scoring = replace(scoring, positions=len(self.tree_parents))
-
-        if request.tree_rounds > 1:
-            self.kv.compute_rounds(rounds)
-        else:
-            rounds()
+        scoring, decided = request.scoring, 0
+        while True:
+            verdict = self._decide_tree(scoring, generator)
+            verdicts.append(verdict)
+            nodes.append(self.tokens[0, -verdict.tree_nodes :])
+            decided += len(verdict.tree_path)  # the accepted nodes below the root, and the next token
+            if len(verdicts) >= request.tree_rounds or not self._next_tree(request, verdict, decided):
+                break
+            scoring = replace(scoring, positions=len(self.tree_parents))
         tree_ids = torch.cat(nodes).to(torch.int32)
         timing = ServerTiming(forward_calls=self.forward_calls - calls_before)
         if request.tree_rounds:
