@@ -478,8 +478,8 @@ class Scheduler:
         return job
 
     def _run_here(self, job: ForwardJob) -> ForwardJob:
-        """`run` on the forward thread, from a call's work (a session's rounds run there while it
-        is alone, `SlotKV.alone`): the queued calls first, then one forward of the job with every
+        """`run` on the forward thread, from a call's work (a lone session's step,
+        `SlotKV.compute_step`): the queued calls first, then one forward of the job with every
         job queued meanwhile, until the job is done. No hand-off to another thread and back."""
         with self._mutex:
             self._queue.append(job)

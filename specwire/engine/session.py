@@ -147,7 +147,7 @@ class SessionKV(Protocol):
         """`work()` where the forwards compute (`Scheduler.call`): a feature drafter's steps."""
         ...
 
-    def compute_rounds(self, work: Callable[[], T]) -> T:
+    def compute_step(self, work: Callable[[], T]) -> T:
         """`work()`, forwards and all, where the forwards compute while no other session holds
         rows (`Scheduler._run_here`): no hand-off between threads at each forward; else here
         (sessions that share forwards hand their jobs in)."""
@@ -262,7 +262,7 @@ class DynamicKV:
     def compute(self, work: Callable[[], T]) -> T:
         return work()
 
-    def compute_rounds(self, work: Callable[[], T]) -> T:
+    def compute_step(self, work: Callable[[], T]) -> T:
         return work()
 
     def take_load(self) -> tuple[int, list[tuple[int, float]], list[tuple[int, float]]]:
@@ -439,7 +439,7 @@ class SlotKV:
     def compute(self, work: Callable[[], T]) -> T:
         return self.scheduler.call(work, owner=self)
 
-    def compute_rounds(self, work: Callable[[], T]) -> T:
+    def compute_step(self, work: Callable[[], T]) -> T:
         # A session that arrives meanwhile is served by the same forwards (`_run_here`).
         if self.cache.rows_in_use() > len(self.rows):
             return work()
@@ -501,7 +501,7 @@ class EngineSession:
     def step(self, request: StepRequest) -> StepResult:
         # Alone, the whole step runs where its forwards do: no hand-off between threads at each
         # forward, and its own work (argmax, warping, acceptance) on that thread's cores.
-        return self._with_load(self.kv.compute_rounds(lambda: self._step(request)))
+        return self._with_load(self.kv.compute_step(lambda: self._step(request)))
 
     def _with_load(self, result: StepResult) -> StepResult:
         timing = result.timing
