@@ -4,6 +4,7 @@ the fixtures are in `tests.medusa_fixtures`)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -32,11 +33,12 @@ def save_random_heads(model_dir: Path, out: Path, heads: int = 3, seed: int = 0,
     return out
 
 
-def medusa_engine(model_dir: Path, heads_dir: Path, batching: bool = True) -> Engine:
-    """`batching=False`: the `--engine hf` path (transformers' forward, a DynamicCache)."""
+def medusa_engine(model_dir: Path, heads_dir: Path, batching: bool = True, **limits: Any) -> Engine:
+    """`batching=False`: the `--engine hf` path (transformers' forward, a DynamicCache); `limits`:
+    more `EngineLimits`."""
     lm = CausalLM.load(str(model_dir), device="cpu", dtype="float32")
     lm.attach_medusa(str(heads_dir))
-    return Engine(lm, "target", EngineLimits(batching=batching))
+    return Engine(lm, "target", EngineLimits(batching=batching, **limits))
 
 
 def medusa_stack(loop: LoopThread, model_dir: Path, heads_dir: Path, draft_dir: Path) -> Stack:

@@ -244,10 +244,7 @@ def test_tree_rounds_decide_target_greedy_within_their_budget(
 
 
 def test_tree_rounds_stop_at_the_context(llama_target_dir: Path, llama_heads_dir: Path) -> None:
-    lm = CausalLM.load(str(llama_target_dir), device="cpu", dtype="float32")
-    lm.attach_medusa(str(llama_heads_dir))
-    engine = Engine(lm, "target", EngineLimits(max_cache_len=len(PROMPT) + 12))
-    session = engine.new_session()
+    session = medusa_engine(llama_target_dir, llama_heads_dir, max_cache_len=len(PROMPT) + 12).new_session()
     first = session.open(OpenRequest(PROMPT, scoring=Scoring(ScoreKind.ARGMAX, positions=1)))
     assert first.scores is not None and first.scores.argmax_ids is not None
     result = session.step(

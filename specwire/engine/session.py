@@ -29,7 +29,7 @@ from specwire.engine.scheduler import ForwardJob, Scheduler, synchronize
 from specwire.entropy_metrics import PositionMetrics, token_entropy
 from specwire.errors import InvalidArgument, StatusError, check_token_ids
 from specwire.feature_drafter import FeatureDrafter, FeatureDrafterState
-from specwire.medusa import MedusaHeads, cut_tree, tree_attention, tree_depths, tree_path, tree_shape
+from specwire.medusa import MedusaHeads, cut_tree, tree_depths, tree_path, tree_shape
 from specwire.processing import (
     ProcessingConfig,
     apply_penalties,
@@ -232,10 +232,11 @@ class DynamicKV:
         of the last `positions` new tokens and [new, hidden] final hidden states of every one."""
         if self.cache is None:
             self.cache = DynamicCache()
-        allowed = torch.cat([torch.ones(len(parents), start, dtype=torch.bool), tree_attention(parents)], dim=1)
+        depths, ancestors = tree_shape(tuple(parents))  # [new], [new, new]
+        allowed = torch.cat([torch.ones(len(parents), start, dtype=torch.bool), ancestors], dim=1)
         device, dtype = self.lm.device, self.lm.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-        position_ids = start + torch.tensor(tree_depths(parents), dtype=torch.long)  # [new]
+        position_ids = start + depths  # [new]
         out = self.lm.model.base_model(
             input_ids=tokens[:, start:].to(device),
             attention_mask=mask[None, None].to(device),  # [1, 1, new, start + new]
