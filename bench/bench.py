@@ -22,6 +22,8 @@ in a freshly shuffled order, so drifting machine load spreads over all of them):
       `specwire_speculative_tree`  the same, with the draft's `--draft-alternatives` runners-up at
                                    each position verified beside the chain as one token tree
                                    (`draft_alternatives`; its α counts a runner-up taken as accepted);
+      `specwire_speculative_model` the defaults without rounds copied from the history
+                                   (`lookup_min_ngram` 0): the draft model's rounds alone;
       `specwire_speculative_ngram` speculative with the n-gram drafter (a second stack), defaults
                                    (the orchestrator drafts: one target message per round);
       `specwire_speculative_sampled` auto γ, sampling at `specwire_sample`'s warpers and seeds:
@@ -151,6 +153,7 @@ ROWS = [
     RowSpec("specwire_greedy", "specwire", "specwire greedy, target only, gRPC"),
     RowSpec("specwire_speculative", "specwire", "specwire speculative, draft model, auto γ, the stack's pipelining, gRPC"),
     RowSpec("specwire_speculative_sequential", "specwire", "specwire speculative, draft model, fixed γ, sequential"),
+    RowSpec("specwire_speculative_model", "specwire", "specwire speculative, the draft model's rounds alone (no copies from the history), auto γ"),
     RowSpec("specwire_speculative_tree", "specwire", "specwire speculative, draft model, fixed γ, sequential, the draft's runners-up as a tree"),
     RowSpec("specwire_speculative_ngram", "specwire", "specwire speculative, n-gram drafter, auto γ, gRPC"),
     RowSpec("specwire_speculative_sampled", "specwire", "specwire speculative, draft model, auto γ, specwire_sample's warpers"),
@@ -183,6 +186,7 @@ SPECWIRE_PARAMS: dict[str, dict[str, Any]] = {
         "strategy": "speculative", "num_speculative_tokens": "gamma", "speculative_pipeline": False,
         "draft_alternatives": "draft_alternatives",
     },
+    "specwire_speculative_model": {"strategy": "speculative", "lookup_min_ngram": 0},
     "specwire_speculative_ngram": {"strategy": "speculative"},
     "specwire_speculative_sampled": {"strategy": "speculative", **BASE_WARPERS},
     # Seeded by the prompt's length (`specwire_sample`), so every run draws the same tokens.
@@ -251,6 +255,8 @@ class Sample:
     rejected: int = 0  # rounds ended by a rejected draft token (a correction)
     off_rounds: int = 0  # target-only rounds auto γ chose
     pipelined_rounds: int = 0
+    lookup_rounds: int = 0  # rounds whose drafts were copied from the history
+    lookup_drafted: int = 0
     target_forwards: int = 0
     draft_forwards: int = 0
     expansions: int = 0  # beam search: target rows scored
@@ -466,6 +472,8 @@ def specwire_sample(client: Any, params: dict[str, Any], prompt_ids: list[int], 
         rejected=s.corrections,
         off_rounds=s.speculation_off_rounds,
         pipelined_rounds=s.pipelined_rounds,
+        lookup_rounds=s.lookup_rounds,
+        lookup_drafted=s.lookup_drafted_tokens,
         target_forwards=s.target_forwards,
         draft_forwards=s.draft_forwards,
         expansions=s.expansions,
@@ -654,7 +662,7 @@ def _speculation_figures(result: RowResult, samples: list[Sample], baseline: Row
     """Speculation's figures; the measured speedup is over `baseline` (the row's non-speculative twin)."""
     empty = dict.fromkeys(
         ["acceptance_rate", "alpha", "gamma", "cost_ratio_c", "predicted_speedup", "measured_speedup", "efficiency",
-         "speculation_off_rounds_per_generation", "pipelined_round_share"]
+         "speculation_off_rounds_per_generation", "pipelined_round_share", "lookup_round_share"]
     )
     tokens = sum(len(s.token_ids) for s in samples)
     target_forwards = sum(s.target_forwards for s in samples)
@@ -672,7 +680,9 @@ def _speculation_figures(result: RowResult, samples: list[Sample], baseline: Row
     accepted = sum(s.accepted for s in samples)
     alpha = alpha_estimate(accepted, sum(s.rejected for s in samples))
     gamma = drafted / rounds
-    draft_ms_per_token = sum(s.draft_compute_ms for s in samples) / drafted
+    # c is the draft model's: copied drafts cost it nothing.
+    modelled = drafted - sum(s.lookup_drafted for s in samples)
+    draft_ms_per_token = sum(s.draft_compute_ms for s in samples) / modelled if modelled else 0.0
     target_ms_per_forward = sum(s.target_compute_ms for s in samples) / target_forwards if target_forwards else 0.0
     cost = draft_ms_per_token / target_ms_per_forward if target_ms_per_forward > 0 else None
     predicted = predicted_speedup(alpha, gamma, cost) if cost is not None else None
@@ -687,6 +697,7 @@ def _speculation_figures(result: RowResult, samples: list[Sample], baseline: Row
         "efficiency": measured / predicted if measured is not None and predicted else None,
         "speculation_off_rounds_per_generation": sum(s.off_rounds for s in samples) / len(samples),
         "pipelined_round_share": _ratio(sum(s.pipelined_rounds for s in samples), rounds),
+        "lookup_round_share": _ratio(sum(s.lookup_rounds for s in samples), rounds),
     }
 
 

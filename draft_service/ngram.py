@@ -43,21 +43,24 @@ MAX_CONTEXT = 1 << 20
 
 
 def ngram_proposal(history: torch.Tensor, count: int, ngram_max: int, ngram_min: int) -> list[int]:
-    """The continuation of the latest earlier occurrence of the longest matching suffix n-gram.
+    """The continuation of the latest earlier occurrence of the longest matching suffix n-gram
+    (`ngram_match`); [] if no n matches."""
+    return ngram_match(history, count, ngram_max, ngram_min)[1]
 
-    For n = ngram_max … ngram_min: take the largest s < L − n with history[s : s+n] =
-    history[L−n : L] and return y_i = history[s + n + (i mod (L − s − n))], i = 0 … count−1:
-    the copy of what followed, continued periodically once it runs into its own output. [] if
-    no n matches. history: [L] int64.
-    """
+
+def ngram_match(history: torch.Tensor, count: int, ngram_max: int, ngram_min: int) -> tuple[int, list[int]]:
+    """(n, proposal): for n = ngram_max … ngram_min, the largest s < L − n with
+    history[s : s+n] = history[L−n : L], and y_i = history[s + n + (i mod (L − s − n))],
+    i = 0 … count−1: the copy of what followed, continued periodically once it runs into its own
+    output. (0, []) if no n matches. history: [L] int64."""
     length = int(history.shape[0])
     for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
         windows = history.unfold(0, n, 1)[:-1]  # [L−n, n]: every n-gram but the suffix itself
         hits = (windows == history[length - n :]).all(dim=-1).nonzero()  # [hits, 1]
         if hits.numel() > 0:
             source = history[int(hits[-1]) + n :].tolist()  # what followed the latest match
-            return [source[i % len(source)] for i in range(count)]
-    return []
+            return n, [source[i % len(source)] for i in range(count)]
+    return 0, []
 
 
 class NgramDrafter:

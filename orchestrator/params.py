@@ -33,6 +33,8 @@ CD_FORM_VALUES = {name: orchestrator_pb2.ContrastiveForm.Value(f"CONTRASTIVE_FOR
 MAX_BEAMS = 32
 MAX_SPECULATIVE_TOKENS = 64
 MAX_DRAFT_ALTERNATIVES = 8  # the draft service's `Step.propose_alternatives` limit
+LOOKUP_MAX_NGRAM = 3  # history lookup matches the last 3 tokens, then 2, … down to `lookup_min_ngram`
+DEFAULT_LOOKUP_MIN_NGRAM = 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per stop string
 # |length_penalty| bound: length^penalty stays far inside float64 for any context length.
@@ -71,6 +73,8 @@ class GenerationParams:
     speculative_pipeline: bool = True
     draft_confidence_threshold: float = 0.0
     draft_alternatives: int = 0  # greedy speculative rounds verify the draft's runners-up too
+    # Rounds drafted by copying from the history, where its last n ≥ this tokens occurred before; 0 = off.
+    lookup_min_ngram: int = DEFAULT_LOOKUP_MIN_NGRAM
     cd_form: str = "obrien"
     cd_alpha: float = 0.1
     cd_beta: float = 0.5
@@ -212,6 +216,9 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
     alternatives = int(_opt(request, "draft_alternatives", 0))
     if not 0 <= alternatives <= MAX_DRAFT_ALTERNATIVES:
         raise InvalidArgument("draft_alternatives", f"must be in [0, {MAX_DRAFT_ALTERNATIVES}], got {alternatives}")
+    lookup = int(_opt(request, "lookup_min_ngram", DEFAULT_LOOKUP_MIN_NGRAM))
+    if not 0 <= lookup <= LOOKUP_MAX_NGRAM:
+        raise InvalidArgument("lookup_min_ngram", f"must be in [0, {LOOKUP_MAX_NGRAM}] (0 = off), got {lookup}")
 
     cd_form = enum_name(request, "cd_form", CD_FORM_VALUES)
     cd_alpha = _finite(_opt(request, "cd_alpha", 0.1), "cd_alpha")
@@ -275,6 +282,7 @@ def parse(request: orchestrator_pb2.GenerateRequest, prompt_len: int, limits: Li
         ),
         draft_confidence_threshold=threshold,
         draft_alternatives=alternatives,
+        lookup_min_ngram=lookup,
         cd_form=cd_form,
         cd_alpha=cd_alpha,
         cd_beta=cd_beta,

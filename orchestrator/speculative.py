@@ -27,10 +27,17 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
-from specwire.draft_service.ngram import ngram_proposal
+from specwire.draft_service.ngram import ngram_match, ngram_proposal
 from specwire.orchestrator.context import DecodeContext, Round
-from specwire.orchestrator.params import MAX_SPECULATIVE_TOKENS
-from specwire.orchestrator.speedup import AcceptanceMemory, RunningEstimates
+from specwire.orchestrator.params import LOOKUP_MAX_NGRAM, MAX_SPECULATIVE_TOKENS
+from specwire.orchestrator.speedup import (
+    AcceptanceMemory,
+    RunningEstimates,
+    alpha_estimate,
+    best_gamma,
+    decayed_counts,
+    time_per_token_ms,
+)
 
 from specwire.acceptance import accept_draft, accept_tree_greedy
 from specwire.processing import ProcessingConfig
@@ -43,6 +50,8 @@ MAX_AUTO_GAMMA = 16
 # first wait is already a few rounds; each failed probe doubles it.
 MIN_BACKOFF = 4
 MAX_BACKOFF = 16
+# α of drafts copied from the history, by the match's length, before any is verified (1 of 2).
+LOOKUP_PRIOR = (1.0, 1.0)
 # Sampled rounds: the draft proposes from (and sends) its top k only, renormalised. Any q the
 # drafts are drawn from keeps the rule exact; this one crosses the wire in k·8 bytes a position.
 DRAFT_TOP_K = 128
@@ -224,6 +233,10 @@ class Speculation:
         self.off_rows = 0  # the batch's rows when the target-only rounds began
         self.backoff = MIN_BACKOFF
         self.probing = False
+        # Rounds copied from the history beside the draft model's (`lookup_min_ngram`), with
+        # their own α by the match's length n: (accepted, rejected) decayed as the model's.
+        self.lookup_min = ctx.params.lookup_min_ngram if self.draft is not None else 0
+        self.lookup_counts = dict.fromkeys(range(1, LOOKUP_MAX_NGRAM + 1), LOOKUP_PRIOR)
 
     async def round(self, remaining: int) -> list[int]:
         ctx = self.ctx
@@ -237,11 +250,12 @@ class Speculation:
                 # (planned as one row, eight Gemma-3-270M streams opened at γ 7, 64 positions a forward).
                 self._record_load(opened)
                 self.estimates.record_target_trip(spent.client_ms - spent.compute_ms)
-            gamma = self._choose_gamma(remaining)
+            lookup = self._lookup(remaining)
+            gamma = len(lookup[1].tokens) if lookup is not None else self._choose_gamma(remaining)
             if gamma is None:
                 decided = await self._target_only(remaining, current)
             else:
-                decided = await self._speculate(gamma, remaining, current)
+                decided = await self._speculate(gamma, remaining, current, lookup)
             current.set(**self.estimates.span_attributes())
             self._publish_estimates()
         self.history += decided
@@ -289,6 +303,30 @@ class Speculation:
         self.off_left, self.backoff, self.probing = self.backoff - 1, min(2 * self.backoff, MAX_BACKOFF), True
         self.off_rows = self.estimates.batch_rows
         return None
+
+    def _lookup(self, remaining: int) -> tuple[int, Proposal] | None:
+        """This round's drafts copied from the history (`ngram_match`), with the match's n. At a
+        fixed γ every match is taken (no timing decides, so a seed replays); auto γ takes one
+        where the latency model prices it under the draft model's best round and a target-only
+        one: (t_v(γ+1) + R_t)(1 − α_n)/(1 − α_n^(γ+1)), no draft time nor trip, α_n the copies' own."""
+        if not self.lookup_min or self.pending is not None:
+            return None
+        fixed = self.ctx.params.num_speculative_tokens
+        most = max(0, min(fixed or MAX_AUTO_GAMMA, remaining - 1, self.wire_gamma))
+        if most == 0:
+            return None
+        n, tokens = ngram_match(torch.tensor(self.history, dtype=torch.long), most, LOOKUP_MAX_NGRAM, self.lookup_min)
+        if n == 0 or fixed:
+            return (n, Proposal(tokens)) if n else None
+        estimates = self.estimates
+        if not estimates.ready:
+            return n, Proposal(tokens[:FIRST_GAMMA])
+        alpha, trip = alpha_estimate(*self.lookup_counts[n]), estimates.target_trip_ms or 0.0
+        gamma = best_gamma(alpha, 0.0, estimates.verify_at, trip, most)
+        copied_ms = time_per_token_ms(gamma, alpha, 0.0, estimates.verify_at(gamma), trip)
+        if copied_ms > estimates.model_ms_per_token(self.ctx.max_tokens_per_round, most):
+            return None
+        return n, Proposal(tokens[:gamma])
 
     def _ahead_gamma(self, drafted: int, remaining: int) -> int:
         """γ of the next round, proposed now on the guess that all of this one is accepted."""
@@ -342,10 +380,13 @@ class Speculation:
         current.set(gamma=0, speculation="off", tokens=len(decided))
         return decided
 
-    async def _speculate(self, gamma: int, remaining: int, current: Round) -> list[int]:
+    async def _speculate(
+        self, gamma: int, remaining: int, current: Round, lookup: tuple[int, Proposal] | None = None
+    ) -> list[int]:
+        """One round: the draft model's proposal (or the pipelined one), or `lookup`'s copy."""
         ctx = self.ctx
         pipelined = self.pending is not None
-        proposal = self.pending or await self._propose(gamma)
+        proposal = lookup[1] if lookup is not None else self.pending or await self._propose(gamma)
         self.pending = None
         drafts = proposal.tokens
         if not drafts:
@@ -353,7 +394,7 @@ class Speculation:
             # the target's one message may as well decide as many tokens as a fully accepted
             # round would have, and the drafter looks again after them.
             return await self._target_only(remaining, current, most=gamma + 1)
-        ahead_gamma = self._ahead_gamma(len(drafts), remaining)
+        ahead_gamma = self._ahead_gamma(len(drafts), remaining) if lookup is None else 0
         tree: DraftTree | None = None
         ahead: Proposal | None = None
         depths = self._tree_depths(proposal)
@@ -391,19 +432,26 @@ class Speculation:
             else:
                 self.draft_sync = SessionSync(held, base + accepted_len)
                 ctx.stats.pipeline_misses += 1
-        elif self.draft is not None:
+        elif self.draft is not None and lookup is None:  # copied drafts: the draft never saw them
             # Past the chain's accepted drafts, a runner-up and the next token are new to the draft.
             self.draft_sync = SessionSync(base + len(drafts), base + chained)
         # A round with nothing to draft (no n-gram match) yields one token: a failed trial. α is
         # the chain's: a runner-up taken counts in `rescue`.
-        self.estimates.record_acceptance(max(1, len(drafts)), chained)
-        self.memory.record(max(1, len(drafts)), chained)
+        if lookup is None:
+            self.estimates.record_acceptance(max(1, len(drafts)), chained)
+            self.memory.record(max(1, len(drafts)), chained)
+        else:
+            n = lookup[0]
+            self.lookup_counts[n] = decayed_counts(*self.lookup_counts[n], self.estimates.decay, len(drafts), chained)
+            ctx.stats.lookup_rounds += 1
+            ctx.stats.lookup_drafted += len(drafts)
         _count(ctx, len(drafts), accepted_len)
         ctx.stats.pipelined_rounds += int(pipelined)
         ctx.stats.speculative_rounds += 1
         ctx.stats.gamma_total += len(drafts)
         current.set(
-            gamma=gamma, drafted=len(drafts), accepted=accepted_len, speculation="on", pipelined=pipelined
+            gamma=gamma, drafted=len(drafts), accepted=accepted_len, speculation="on", pipelined=pipelined,
+            lookup_ngram=lookup[0] if lookup is not None else 0,
         )
         return kept + [next_token]
 

@@ -348,6 +348,12 @@ class RunningEstimates:
             alpha, self.draft_ms_per_token, self.verify_at, rtt, step, target_trip, tokens_per_round, max_gamma
         )
 
+    def model_ms_per_token(self, tokens_per_round: int, max_gamma: int) -> float:
+        """Predicted ms a token of the best round without copied drafts: the draft model's at
+        its best γ ≤ `max_gamma`, or a target-only one."""
+        plan = self.plan(tokens_per_round, max_gamma, draft_trip=True)
+        return min(plan.speculative_ms_per_token, plan.target_only_ms_per_token)
+
     def span_attributes(self) -> dict[str, float]:
         figures = {
             "alpha_estimate": self.alpha,

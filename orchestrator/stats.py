@@ -32,6 +32,8 @@ class RunStats:
     target_only_tokens: int = 0
     pipelined_rounds: int = 0
     pipeline_misses: int = 0
+    lookup_rounds: int = 0
+    lookup_drafted: int = 0
     # The running estimates behind the last round's γ (`speedup.RunningEstimates`).
     alpha_estimate: float = 0.0
     draft_ms_per_token_estimate: float = 0.0
@@ -105,6 +107,8 @@ class RunStats:
             target_only_tokens=self.target_only_tokens,
             pipelined_rounds=self.pipelined_rounds,
             pipeline_misses=self.pipeline_misses,
+            lookup_rounds=self.lookup_rounds,
+            lookup_drafted_tokens=self.lookup_drafted,
             mean_gamma=self.gamma_total / self.speculative_rounds if self.speculative_rounds else 0.0,
             alpha_estimate=self.alpha_estimate,
             draft_ms_per_token_estimate=self.draft_ms_per_token_estimate,

@@ -84,7 +84,7 @@ BOUNDED_EXTREMES: dict[str, Any] = {
     "max_new_tokens": INT32_MAX, "num_beams": INT32_MAX, "num_return_sequences": INT32_MAX,
     "num_speculative_tokens": INT32_MAX, "top_p": FLOAT32_MAX, "min_p": FLOAT32_MAX, "length_penalty": FLOAT32_MAX,
     "draft_confidence_threshold": FLOAT32_MAX, "cd_alpha": FLOAT32_MAX, "posterior_threshold": FLOAT32_MAX,
-    "posterior_alpha": FLOAT32_MAX, "draft_alternatives": INT32_MAX,
+    "posterior_alpha": FLOAT32_MAX, "draft_alternatives": INT32_MAX, "lookup_min_ngram": INT32_MAX,
 }
 
 
@@ -211,6 +211,8 @@ class Generator:
                 fields["draft_confidence_threshold"] = r.choice([0.0, 0.5, 0.999])
             if r.random() < 0.3:
                 fields["draft_alternatives"] = r.choice([0, 1, 8])  # greedy rounds use them
+            if r.random() < 0.3:
+                fields["lookup_min_ngram"] = r.choice([0, 1, 3])
         if strategy == "contrastive":
             fields["cd_form"] = r.choice(["", "obrien", "li"])
             fields["cd_alpha"] = r.choice([1e-45, 0.1, 1.0])

@@ -189,17 +189,18 @@ E2E_SAMPLES = 1000
 async def _first_tokens(
     address: str, prompt: str, samples: int, count: int, **params: Any
 ) -> tuple[list[list[int]], int]:
-    """The first `count` tokens of `samples` generations, and how many rounds were pipelined."""
+    """The first `count` tokens of `samples` generations, and how many rounds were pipelined and
+    how many copied from the history, all generations together."""
     async with AsyncClient(address) as client:
         gate = asyncio.Semaphore(E2E_CONCURRENCY)
 
         async def one(seed: int) -> tuple[list[int], int]:
             async with gate:
                 result = await client.generate(prompt, strategy="speculative", seed=seed, ignore_eos=True, **params)
-                return result.token_ids[:count], result.stats.pipelined_rounds
+                return result.token_ids[:count], (result.stats.pipelined_rounds, result.stats.lookup_rounds)
 
         runs = await asyncio.gather(*(one(seed) for seed in range(samples)))
-        return [tokens for tokens, _ in runs], sum(pipelined for _, pipelined in runs)
+        return [tokens for tokens, _ in runs], tuple(int(sum(column)) for column in zip(*(rounds for _, rounds in runs), strict=True))
 
 
 @pytest.mark.parametrize(
@@ -216,8 +217,11 @@ async def _first_tokens(
         # Auto γ (0): its γ, and its target-only rounds, follow timings; the output must not.
         # Untimed services, so that the first round speculates.
         ("small_untimed_stack", "abcab", 0, E2E_SAMPLES, 3),
+        # A model draft with rounds copied from the history (`lookup_min_ngram`, on by default):
+        # "ab" recurs, so the first round's drafts are copies with a one-hot q.
+        ("small_stack", "abcab", 2, E2E_SAMPLES, 3),
     ],
-    ids=["model-draft", "ngram-draft", "pipelined", "auto-gamma"],
+    ids=["model-draft", "ngram-draft", "pipelined", "auto-gamma", "model-and-lookup"],
 )
 def test_speculative_generation_follows_target_distribution_over_grpc(
     request: pytest.FixtureRequest,
@@ -231,10 +235,13 @@ def test_speculative_generation_follows_target_distribution_over_grpc(
 ) -> None:
     stack: Stack = request.getfixturevalue(stack_name)
     params = {"temperature": 1.0, "num_speculative_tokens": gamma, "max_new_tokens": max(gamma, 1) + count}
-    tokens, pipelined = asyncio.run(_first_tokens(stack.address, prompt, samples, count, **params))
+    if request.node.callspec.id != "model-and-lookup":
+        params["lookup_min_ngram"] = 0  # every round the model's (or the n-gram drafter's)
+    tokens, (pipelined, copied) = asyncio.run(_first_tokens(stack.address, prompt, samples, count, **params))
     outputs = np.array(tokens)
     if request.node.callspec.id == "pipelined":
         assert pipelined > 0, "no round came from a pipelined proposal"
+    assert (copied > 0) == (request.node.callspec.id == "model-and-lookup"), copied
     target = TwoStepDistributions(small_target_dir, char_tokenizer(prompt).input_ids, ProcessingConfig())
     vocab = target.first.shape[0]
     marginals = [target.first, target.first @ target.second]  # p(x1), Σ_x1 p(x1) p(· | x1)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from specwire.draft_service.ngram import NgramDrafter, NgramSession, ngram_proposal
+from specwire.draft_service.ngram import NgramDrafter, NgramSession, ngram_match, ngram_proposal
 from specwire.orchestrator.speculative import (
     _MEMORIES,
     SessionSync,
@@ -166,6 +166,10 @@ def test_ngram_copies_what_followed_the_latest_longest_match() -> None:
     history = ids(7, 1, 2, 5, 1, 2, 6, 7, 1, 2)
     assert ngram_proposal(history, 1, ngram_max=3, ngram_min=1) == [5]
     assert ngram_proposal(history, 1, ngram_max=2, ngram_min=1) == [6]
+    # the match's length comes with it: copied rounds keep an α per n
+    assert ngram_match(history, 1, ngram_max=3, ngram_min=1) == (3, [5])
+    assert ngram_match(history, 2, ngram_max=2, ngram_min=1) == (2, [6, 7])
+    assert ngram_match(ids(1, 2, 3), 2, ngram_max=3, ngram_min=1) == (0, [])
 
 
 def test_ngram_continues_a_repeating_pattern_past_the_end_of_the_history() -> None:

@@ -65,6 +65,49 @@ def test_statistics_add_up(request: pytest.FixtureRequest, stack_name: str, samp
     check_stats_add_up(result.stats, untrimmed=True)
 
 
+# A prompt whose last tokens occurred before: the first round can copy what followed them.
+REPEATING = "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(i"
+
+
+@pytest.mark.parametrize(("stack_name", "prompt", "gamma"), [
+    ("llama_stack", REPEATING, 4),
+    # Auto γ: untimed services, whose first round speculates (the timed tiny pair decides every
+    # round target-only, copied or not, rightly: its target's step costs next to nothing).
+    ("small_untimed_stack", "abcabcabcab", None),
+], ids=["gamma4", "auto"])
+def test_rounds_copied_from_the_history_keep_greedy_output(
+    request: pytest.FixtureRequest, stack_name: str, prompt: str, gamma: int | None
+) -> None:
+    client = Client(request.getfixturevalue(stack_name).address)
+    params: dict[str, Any] = {"max_new_tokens": 40, "ignore_eos": True} | ({"num_speculative_tokens": gamma} if gamma else {})
+    expected = client.generate(prompt, strategy="greedy", max_new_tokens=40, ignore_eos=True).token_ids
+    copied = client.generate(prompt, strategy="speculative", **params)
+    model = client.generate(prompt, strategy="speculative", lookup_min_ngram=0, **params)
+    assert copied.token_ids == model.token_ids == expected
+    assert copied.stats.lookup_rounds > 0 and model.stats.lookup_rounds == 0
+    check_stats_add_up(copied.stats, untrimmed=True)
+    if gamma:  # a copied round asks the draft nothing: the model's rounds alone send it messages
+        assert copied.stats.draft_forwards < model.stats.draft_forwards
+
+
+def test_copied_rounds_are_sampled_reproducibly_at_a_fixed_gamma(llama_stack: Stack) -> None:
+    """At a fixed γ every match is copied, whatever the timings: a seed replays."""
+    params = {"strategy": "speculative", "num_speculative_tokens": 3, "max_new_tokens": 24, "ignore_eos": True,
+              "temperature": 0.8, "seed": 5}
+    first, again = (Client(llama_stack.address).generate(REPEATING, **params) for _ in range(2))
+    assert first.token_ids == again.token_ids and first.stats.lookup_rounds > 0
+    check_stats_add_up(first.stats, untrimmed=True)
+
+
+@pytest.mark.parametrize("value", [4, -1])
+def test_a_bad_lookup_min_ngram_is_an_invalid_argument_naming_the_field(llama_stack: Stack, value: int) -> None:
+    with pytest.raises(GenerationError) as error:
+        Client(llama_stack.address).generate(PROMPT, strategy="speculative", lookup_min_ngram=value)
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT and "lookup_min_ngram" in error.value.message
+    # The orchestrator goes on serving.
+    assert len(Client(llama_stack.address).generate(PROMPT, strategy="speculative", max_new_tokens=4).token_ids) == 4
+
+
 def test_a_target_drafting_for_itself_has_every_greedy_draft_accepted(self_draft_stack: Stack) -> None:
     stats = (
         Client(self_draft_stack.address)

@@ -76,7 +76,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "input_ids", "strategy", "max_new_tokens", "ignore_eos", "stop_strings", "seed", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "no_repeat_ngram_size", "num_beams", "length_penalty", "early_stopping", "num_return_sequences", "num_speculative_tokens", "draft_confidence_threshold", "speculative_pipeline", "draft_alternatives", "cd_form", "cd_alpha", "cd_beta", "amateur_temperature", "entropix", "medusa_choices", "medusa_acceptance", "posterior_threshold", "posterior_alpha")
+    __slots__ = ("prompt", "input_ids", "strategy", "max_new_tokens", "ignore_eos", "stop_strings", "seed", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "no_repeat_ngram_size", "num_beams", "length_penalty", "early_stopping", "num_return_sequences", "num_speculative_tokens", "draft_confidence_threshold", "speculative_pipeline", "draft_alternatives", "lookup_min_ngram", "cd_form", "cd_alpha", "cd_beta", "amateur_temperature", "entropix", "medusa_choices", "medusa_acceptance", "posterior_threshold", "posterior_alpha")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class GenerateRequest(_message.Message):
     DRAFT_CONFIDENCE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_PIPELINE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_MIN_NGRAM_FIELD_NUMBER: _ClassVar[int]
     CD_FORM_FIELD_NUMBER: _ClassVar[int]
     CD_ALPHA_FIELD_NUMBER: _ClassVar[int]
     CD_BETA_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +129,7 @@ class GenerateRequest(_message.Message):
     draft_confidence_threshold: float
     speculative_pipeline: bool
     draft_alternatives: int
+    lookup_min_ngram: int
     cd_form: ContrastiveForm
     cd_alpha: float
     cd_beta: float
@@ -137,7 +139,7 @@ class GenerateRequest(_message.Message):
     medusa_acceptance: MedusaAcceptance
     posterior_threshold: float
     posterior_alpha: float
-    def __init__(self, prompt: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., strategy: _Optional[_Union[Strategy, str]] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_strings: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., no_repeat_ngram_size: _Optional[int] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[EarlyStopping, str]] = ..., num_return_sequences: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., draft_confidence_threshold: _Optional[float] = ..., speculative_pipeline: _Optional[bool] = ..., draft_alternatives: _Optional[int] = ..., cd_form: _Optional[_Union[ContrastiveForm, str]] = ..., cd_alpha: _Optional[float] = ..., cd_beta: _Optional[float] = ..., amateur_temperature: _Optional[float] = ..., entropix: _Optional[_Union[EntropixParams, _Mapping]] = ..., medusa_choices: _Optional[str] = ..., medusa_acceptance: _Optional[_Union[MedusaAcceptance, str]] = ..., posterior_threshold: _Optional[float] = ..., posterior_alpha: _Optional[float] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., strategy: _Optional[_Union[Strategy, str]] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_strings: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., no_repeat_ngram_size: _Optional[int] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[EarlyStopping, str]] = ..., num_return_sequences: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., draft_confidence_threshold: _Optional[float] = ..., speculative_pipeline: _Optional[bool] = ..., draft_alternatives: _Optional[int] = ..., lookup_min_ngram: _Optional[int] = ..., cd_form: _Optional[_Union[ContrastiveForm, str]] = ..., cd_alpha: _Optional[float] = ..., cd_beta: _Optional[float] = ..., amateur_temperature: _Optional[float] = ..., entropix: _Optional[_Union[EntropixParams, _Mapping]] = ..., medusa_choices: _Optional[str] = ..., medusa_acceptance: _Optional[_Union[MedusaAcceptance, str]] = ..., posterior_threshold: _Optional[float] = ..., posterior_alpha: _Optional[float] = ...) -> None: ...
 
 class EntropixParams(_message.Message):
     __slots__ = ("argmax_entropy", "argmax_varentropy", "clarify_entropy", "clarify_varentropy", "branch_entropy", "branch_varentropy", "resample_entropy", "resample_varentropy", "clarifying_token", "clarify_temperature_offset", "clarify_temperature_coefficient", "clarify_max_temperature", "branch_temperature_offset", "branch_temperature_coefficient", "branch_max_temperature", "branch_top_k_coefficient", "branch_min_top_k", "resample_temperature_offset", "resample_temperature_coefficient", "resample_min_temperature", "resample_top_p_coefficient", "resample_min_top_p", "adaptive_samples", "adaptive_min_p", "adaptive_temperature_logits", "adaptive_temperature_attention", "adaptive_temperature_agreement", "adaptive_top_p_coefficient", "adaptive_top_k_interaction", "adaptive_top_k_agreement", "adaptive_max_top_k", "adaptive_min_p_coefficient", "score_entropy", "score_attention_entropy", "score_varentropy", "score_attention_varentropy", "score_agreement", "score_interaction_strength")
@@ -230,7 +232,7 @@ class Sequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "new_tokens", "rounds", "target_forwards", "draft_forwards", "wall_ms", "ttft_ms", "target_compute_ms", "target_queue_ms", "target_network_ms", "draft_compute_ms", "draft_queue_ms", "draft_network_ms", "orchestrator_ms", "target_bytes_sent", "target_bytes_received", "draft_bytes_sent", "draft_bytes_received", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "accepted_length_histogram", "tokens_per_target_forward", "corrections", "bonus_tokens", "bytes_per_round", "speculation_off_rounds", "target_only_tokens", "pipelined_rounds", "pipeline_misses", "mean_gamma", "alpha_estimate", "draft_ms_per_token_estimate", "verify_ms_estimate", "target_ms_per_token_estimate", "trip_ms_estimate", "expert_ms_per_step", "amateur_ms_per_step", "mean_valid_set_size", "differs_from_expert_rate", "sessions_rebuilt", "entropix_states", "expansions", "medusa_tree_size", "medusa_head_acceptance")
+    __slots__ = ("prompt_tokens", "new_tokens", "rounds", "target_forwards", "draft_forwards", "wall_ms", "ttft_ms", "target_compute_ms", "target_queue_ms", "target_network_ms", "draft_compute_ms", "draft_queue_ms", "draft_network_ms", "orchestrator_ms", "target_bytes_sent", "target_bytes_received", "draft_bytes_sent", "draft_bytes_received", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "accepted_length_histogram", "tokens_per_target_forward", "corrections", "bonus_tokens", "bytes_per_round", "speculation_off_rounds", "target_only_tokens", "pipelined_rounds", "pipeline_misses", "lookup_rounds", "lookup_drafted_tokens", "mean_gamma", "alpha_estimate", "draft_ms_per_token_estimate", "verify_ms_estimate", "target_ms_per_token_estimate", "trip_ms_estimate", "expert_ms_per_step", "amateur_ms_per_step", "mean_valid_set_size", "differs_from_expert_rate", "sessions_rebuilt", "entropix_states", "expansions", "medusa_tree_size", "medusa_head_acceptance")
     class EntropixStatesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +271,8 @@ class GenerationStats(_message.Message):
     TARGET_ONLY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PIPELINED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MEAN_GAMMA_FIELD_NUMBER: _ClassVar[int]
     ALPHA_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_PER_TOKEN_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +319,8 @@ class GenerationStats(_message.Message):
     target_only_tokens: int
     pipelined_rounds: int
     pipeline_misses: int
+    lookup_rounds: int
+    lookup_drafted_tokens: int
     mean_gamma: float
     alpha_estimate: float
     draft_ms_per_token_estimate: float
@@ -330,7 +336,7 @@ class GenerationStats(_message.Message):
     expansions: int
     medusa_tree_size: float
     medusa_head_acceptance: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., wall_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., target_compute_ms: _Optional[float] = ..., target_queue_ms: _Optional[float] = ..., target_network_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., draft_queue_ms: _Optional[float] = ..., draft_network_ms: _Optional[float] = ..., orchestrator_ms: _Optional[float] = ..., target_bytes_sent: _Optional[int] = ..., target_bytes_received: _Optional[int] = ..., draft_bytes_sent: _Optional[int] = ..., draft_bytes_received: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_length_histogram: _Optional[_Iterable[int]] = ..., tokens_per_target_forward: _Optional[float] = ..., corrections: _Optional[int] = ..., bonus_tokens: _Optional[int] = ..., bytes_per_round: _Optional[float] = ..., speculation_off_rounds: _Optional[int] = ..., target_only_tokens: _Optional[int] = ..., pipelined_rounds: _Optional[int] = ..., pipeline_misses: _Optional[int] = ..., mean_gamma: _Optional[float] = ..., alpha_estimate: _Optional[float] = ..., draft_ms_per_token_estimate: _Optional[float] = ..., verify_ms_estimate: _Optional[float] = ..., target_ms_per_token_estimate: _Optional[float] = ..., trip_ms_estimate: _Optional[float] = ..., expert_ms_per_step: _Optional[float] = ..., amateur_ms_per_step: _Optional[float] = ..., mean_valid_set_size: _Optional[float] = ..., differs_from_expert_rate: _Optional[float] = ..., sessions_rebuilt: _Optional[int] = ..., entropix_states: _Optional[_Mapping[str, int]] = ..., expansions: _Optional[int] = ..., medusa_tree_size: _Optional[float] = ..., medusa_head_acceptance: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., wall_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., target_compute_ms: _Optional[float] = ..., target_queue_ms: _Optional[float] = ..., target_network_ms: _Optional[float] = ..., draft_compute_ms: _Optional[float] = ..., draft_queue_ms: _Optional[float] = ..., draft_network_ms: _Optional[float] = ..., orchestrator_ms: _Optional[float] = ..., target_bytes_sent: _Optional[int] = ..., target_bytes_received: _Optional[int] = ..., draft_bytes_sent: _Optional[int] = ..., draft_bytes_received: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_length_histogram: _Optional[_Iterable[int]] = ..., tokens_per_target_forward: _Optional[float] = ..., corrections: _Optional[int] = ..., bonus_tokens: _Optional[int] = ..., bytes_per_round: _Optional[float] = ..., speculation_off_rounds: _Optional[int] = ..., target_only_tokens: _Optional[int] = ..., pipelined_rounds: _Optional[int] = ..., pipeline_misses: _Optional[int] = ..., lookup_rounds: _Optional[int] = ..., lookup_drafted_tokens: _Optional[int] = ..., mean_gamma: _Optional[float] = ..., alpha_estimate: _Optional[float] = ..., draft_ms_per_token_estimate: _Optional[float] = ..., verify_ms_estimate: _Optional[float] = ..., target_ms_per_token_estimate: _Optional[float] = ..., trip_ms_estimate: _Optional[float] = ..., expert_ms_per_step: _Optional[float] = ..., amateur_ms_per_step: _Optional[float] = ..., mean_valid_set_size: _Optional[float] = ..., differs_from_expert_rate: _Optional[float] = ..., sessions_rebuilt: _Optional[int] = ..., entropix_states: _Optional[_Mapping[str, int]] = ..., expansions: _Optional[int] = ..., medusa_tree_size: _Optional[float] = ..., medusa_head_acceptance: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class EntropixDecision(_message.Message):
     __slots__ = ("state", "entropy", "varentropy", "attn_entropy", "attn_varentropy", "agreement", "interaction_strength", "temperature", "top_p", "top_k", "min_p", "clarified")
