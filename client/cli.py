@@ -71,6 +71,7 @@ GENERATION_FLAGS: list[tuple[str, Any, str]] = [
     ("--num-speculative-tokens", int, "γ: draft tokens per speculative round, 0 or unset = auto (with entropix: speculate)"),
     ("--draft-confidence-threshold", float, "draft stops proposing below this top probability"),
     ("--draft-alternatives", int, "greedy speculation: verify the draft's k runners-up a position too, as a tree"),
+    ("--lookup-min-ngram", int, "speculation: copy drafts from the history where its last n ≥ this tokens recur (0 = off; default 1)"),
     ("--cd-alpha", float, "contrastive plausibility cut-off α"),
     ("--cd-beta", float, "O'Brien & Lewis contrast weight β"),
     ("--amateur-temperature", float, "Li et al. amateur temperature τ"),

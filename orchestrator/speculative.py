@@ -32,11 +32,8 @@ from specwire.orchestrator.context import DecodeContext, Round
 from specwire.orchestrator.params import LOOKUP_MAX_NGRAM, MAX_SPECULATIVE_TOKENS
 from specwire.orchestrator.speedup import (
     AcceptanceMemory,
+    CopyAcceptance,
     RunningEstimates,
-    alpha_estimate,
-    best_gamma,
-    decayed_counts,
-    time_per_token_ms,
 )
 
 from specwire.acceptance import accept_draft, accept_tree_greedy
@@ -50,8 +47,6 @@ MAX_AUTO_GAMMA = 16
 # first wait is already a few rounds; each failed probe doubles it.
 MIN_BACKOFF = 4
 MAX_BACKOFF = 16
-# α of drafts copied from the history, by the match's length, before any is verified (1 of 2).
-LOOKUP_PRIOR = (1.0, 1.0)
 # Sampled rounds: the draft proposes from (and sends) its top k only, renormalised. Any q the
 # drafts are drawn from keeps the rule exact; this one crosses the wire in k·8 bytes a position.
 DRAFT_TOP_K = 128
@@ -234,9 +229,9 @@ class Speculation:
         self.backoff = MIN_BACKOFF
         self.probing = False
         # Rounds copied from the history beside the draft model's (`lookup_min_ngram`), with
-        # their own α by the match's length n: (accepted, rejected) decayed as the model's.
+        # their own acceptance by the match's length n.
         self.lookup_min = ctx.params.lookup_min_ngram if self.draft is not None else 0
-        self.lookup_counts = dict.fromkeys(range(1, LOOKUP_MAX_NGRAM + 1), LOOKUP_PRIOR)
+        self.copies = {n: CopyAcceptance() for n in range(1, LOOKUP_MAX_NGRAM + 1)}
 
     async def round(self, remaining: int) -> list[int]:
         ctx = self.ctx
@@ -308,7 +303,8 @@ class Speculation:
         """This round's drafts copied from the history (`ngram_match`), with the match's n. At a
         fixed γ every match is taken (no timing decides, so a seed replays); auto γ takes one
         where the latency model prices it under the draft model's best round and a target-only
-        one: (t_v(γ+1) + R_t)(1 − α_n)/(1 − α_n^(γ+1)), no draft time nor trip, α_n the copies' own."""
+        one: (t_v(γ+1) + R_t) / E_n(γ), no draft time nor trip, E_n the copies' own
+        (`CopyAcceptance`)."""
         if not self.lookup_min or self.pending is not None:
             return None
         fixed = self.ctx.params.num_speculative_tokens
@@ -321,9 +317,7 @@ class Speculation:
         estimates = self.estimates
         if not estimates.ready:
             return n, Proposal(tokens[:FIRST_GAMMA])
-        alpha, trip = alpha_estimate(*self.lookup_counts[n]), estimates.target_trip_ms or 0.0
-        gamma = best_gamma(alpha, 0.0, estimates.verify_at, trip, most)
-        copied_ms = time_per_token_ms(gamma, alpha, 0.0, estimates.verify_at(gamma), trip)
+        gamma, copied_ms = self.copies[n].best(estimates.verify_at, estimates.target_trip_ms or 0.0, most)
         if copied_ms > estimates.model_ms_per_token(self.ctx.max_tokens_per_round, most):
             return None
         return n, Proposal(tokens[:gamma])
@@ -442,7 +436,7 @@ class Speculation:
             self.memory.record(max(1, len(drafts)), chained)
         else:
             n = lookup[0]
-            self.lookup_counts[n] = decayed_counts(*self.lookup_counts[n], self.estimates.decay, len(drafts), chained)
+            self.copies[n].record(len(drafts), chained, self.estimates.decay)
             ctx.stats.lookup_rounds += 1
             ctx.stats.lookup_drafted += len(drafts)
         _count(ctx, len(drafts), accepted_len)

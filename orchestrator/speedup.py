@@ -143,6 +143,33 @@ def plan_round(
 
 
 @dataclass
+class CopyAcceptance:
+    """Drafts copied from the history, as a two-state chain: the first copy is the target's token
+    with probability a, each later one, after an accepted one, with c (a loop, once entered, tends
+    to go on; i.i.d. α would price long copies too low). A round of γ copies yields
+    E = 1 + a·(1 − c^γ)/(1 − c) tokens. a and c: decayed counts, as α's."""
+
+    first: tuple[float, float] = (1.0, 1.0)  # (accepted, rejected) of first copies
+    later: tuple[float, float] = (2.0, 1.0)  # of copies after an accepted one
+
+    def record(self, drafted: int, accepted: int, decay: float) -> None:
+        if drafted < 1:
+            return
+        self.first = decayed_counts(*self.first, decay, 1, min(accepted, 1))
+        if accepted >= 1 and drafted > 1:
+            self.later = decayed_counts(*self.later, decay, drafted - 1, accepted - 1)
+
+    def tokens(self, gamma: int) -> float:
+        """E[tokens a round of γ ≥ 1 copies] = 1 + a·E_chain(c, γ − 1)."""
+        return 1.0 + alpha_estimate(*self.first) * expected_tokens_per_round(alpha_estimate(*self.later), gamma - 1)
+
+    def best(self, verify_ms: VerifyCost, trip_ms: float, most: int) -> tuple[int, float]:
+        """(γ, ms a token): argmin over γ ∈ [1, most] of (t_v(γ) + R_t) / E(γ)."""
+        gamma = min(range(1, most + 1), key=lambda g: (verify_ms(g) + trip_ms) / self.tokens(g))
+        return gamma, (verify_ms(gamma) + trip_ms) / self.tokens(gamma)
+
+
+@dataclass
 class AcceptanceMemory:
     """The acceptance counts of a draft/target pair's earlier rounds, across generations: the α a
     new generation starts from. A generation's first rounds are a few trials; from a fixed prior

@@ -23,6 +23,7 @@ from specwire.orchestrator.speculative import (
 )
 from specwire.orchestrator.speedup import (
     AcceptanceMemory,
+    CopyAcceptance,
     RunningEstimates,
     alpha_estimate,
     best_gamma,
@@ -448,3 +449,19 @@ def test_sampled_gamma_keeps_a_dense_262k_vocabulary_p_under_the_message_limit()
     gamma = max_sampled_gamma(262_144)
     assert gamma == 31 and (gamma + 1) * 262_144 * 4 <= 64 * 1024 * 1024 // 2
     assert max_sampled_gamma(4096) > 64  # the demo vocabulary: no cap below the γ bound
+
+
+def test_copies_are_priced_as_a_chain_that_goes_on_once_entered() -> None:
+    copies = CopyAcceptance(first=(0.0, 0.0), later=(0.0, 0.0))
+    # a round of 4 copies, 2 accepted; one of 4, none; one of 3, all: a = 2/3, c = 3/4
+    for drafted, accepted in ((4, 2), (4, 0), (3, 3)):
+        copies.record(drafted, accepted, decay=1.0)
+    assert copies.first == (2.0, 1.0) and copies.later == (3.0, 1.0)
+    a, c = 2 / 3, 3 / 4
+    assert copies.tokens(1) == pytest.approx(1 + a)
+    assert copies.tokens(4) == pytest.approx(1 + a * (1 - c**4) / (1 - c))
+    # a flat verification cost: the longest copy; one that doubles past 4 positions: no longer
+    flat = copies.best(lambda gamma: 10.0, trip_ms=1.0, most=8)
+    steep = copies.best(lambda gamma: 10.0 if gamma < 4 else 20.0, trip_ms=1.0, most=8)
+    assert flat[0] == 8 and steep[0] == 3
+    assert flat[1] == pytest.approx(11.0 / copies.tokens(8))
