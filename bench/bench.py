@@ -203,7 +203,7 @@ SPECWIRE_PARAMS: dict[str, dict[str, Any]] = {
 }
 ROW_NAMES = [row.name for row in ROWS]
 # Rows measured at each `--concurrency` level besides greedy, where the run has them.
-CONCURRENCY_ROWS = ("specwire_speculative", "specwire_speculative_ngram", "specwire_medusa")
+CONCURRENCY_ROWS = ("specwire_speculative", "specwire_speculative_model", "specwire_speculative_ngram", "specwire_medusa")
 MEDUSA_ROWS = [name for name, params in SPECWIRE_PARAMS.items() if params["strategy"] == "medusa"]
 # Rows whose proposals come from the draft model.
 MODEL_DRAFTED_ROWS = {
