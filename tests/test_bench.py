@@ -225,6 +225,7 @@ def test_bench_markdown_and_cli_output(bench_report: dict[str, Any], tmp_path: P
 def test_concurrent_streams_cover_every_prompt_and_equal_their_solo_runs(bench_report: dict[str, Any]) -> None:
     entries = [(entry["strategy"], entry["streams"]) for entry in bench_report["concurrency"]]
     assert entries == [("greedy", 1), ("greedy", 3), ("speculative", 1), ("speculative", 3),
+                       ("speculative_model", 1), ("speculative_model", 3),
                        ("speculative_ngram", 1), ("speculative_ngram", 3), ("medusa", 1), ("medusa", 3)]
     for entry in bench_report["concurrency"]:
         assert entry["matches_solo"] == 1.0 and entry["aggregate_tokens_per_s"] > 0, entry
