@@ -312,8 +312,10 @@ class Speculation:
         if most == 0:
             return None
         n, tokens = ngram_match(torch.tensor(self.history, dtype=torch.long), most, LOOKUP_MAX_NGRAM, self.lookup_min)
-        if n == 0 or fixed:
-            return (n, Proposal(tokens)) if n else None
+        if n == 0:
+            return None
+        if fixed:
+            return n, Proposal(tokens)
         estimates = self.estimates
         if not estimates.ready:
             return n, Proposal(tokens[:FIRST_GAMMA])
