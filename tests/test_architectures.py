@@ -130,6 +130,45 @@ def test_quantised_outputs_equal_their_solo_runs_under_batching(
     assert torch.nn.functional.cosine_similarity(ours, theirs, dim=-1).min() > cosine
 
 
+@pytest.mark.parametrize("generic", [True, False], ids=["hf", "hand-written"])
+def test_ragged_rows_packed_give_what_the_padded_batch_gives(arch_dir: Path, generic: bool) -> None:
+    """A verification of 4 new tokens beside rows of 1 and 2: the layers on the 7 real tokens
+    packed give the logits and cached keys of the same batch padded to 3 × 4, to float32
+    rounding (a matrix product's sums may split by its row count), and its tokens' argmaxes."""
+    from specwire.engine.forward import lean_model
+    from specwire.engine.scheduler import ForwardJob, build_batch, logit_index
+
+    backend = engine(arch_dir, compile="off")
+    assert backend.scheduler is not None and backend.cache is not None
+    model = lean_model(backend.lm.model, generic)
+    if model is None:
+        pytest.skip("no hand-written forward for this architecture")
+    cache, torch_rng = backend.cache, torch.Generator().manual_seed(3)
+
+    def run(widths: list[int], start: int, pack: bool) -> tuple[torch.Tensor, ForwardJob]:
+        jobs = [ForwardJob([row], torch.randint(0, 200, (1, n), generator=torch_rng), start, n)
+                for row, n in enumerate(widths)]
+        batch = build_batch(jobs, torch.device("cpu"), cache.scratch_row, pack=pack)
+        batch.logit_index = logit_index(jobs, int(batch.input_ids.shape[1]), torch.device("cpu"))
+        assert (batch.packed is not None) == (pack and len(set(widths)) > 1)
+        with torch.inference_mode():
+            out = model.forward(cache, batch)
+        assert out.logits is not None
+        return out.logits, jobs[0]
+
+    run([9, 9, 9], 0, pack=True)  # a prompt for each row (not ragged: nothing packed)
+    state = torch_rng.get_state()
+    padded, _ = run([4, 1, 2], 9, pack=False)
+    keys = [layer[:3, :, 9:13].clone() for layer in cache.keys]
+    torch_rng.set_state(state)
+    packed, _ = run([4, 1, 2], 9, pack=True)
+    torch.testing.assert_close(packed, padded, rtol=1e-4, atol=1e-4)
+    assert torch.equal(packed.argmax(-1), padded.argmax(-1))
+    for layer, before in zip(cache.keys, keys, strict=True):  # real slots: row 0's 4, row 1's 1, row 2's 2
+        for row, n in enumerate([4, 1, 2]):
+            torch.testing.assert_close(layer[row, :, 9 : 9 + n], before[row, :, :n], rtol=1e-4, atol=1e-5)
+
+
 def test_auto_quantisation_leaves_a_model_that_fits_in_cache_in_float(arch_dir: Path) -> None:
     lm = CausalLM.load(str(arch_dir), device="cpu", dtype="float32", quantization="auto")
     assert lm.quantization == "none"

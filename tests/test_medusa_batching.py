@@ -44,10 +44,10 @@ def test_medusa_sessions_batched_with_others_equal_their_solo_runs(llama_medusa_
     mixed = []  # forwards that ran a tree beside another session's job
     plain_forward = scheduler._forward
 
-    def watched(batch: list[ForwardJob]) -> None:
+    def watched(batch: list[ForwardJob]) -> int:
         if len(batch) > 1 and any(job.tree_mask is not None for job in batch):
             mixed.append(len(batch))
-        plain_forward(batch)
+        return plain_forward(batch)
 
     scheduler._forward = watched  # type: ignore[method-assign, assignment]
     try:

@@ -246,9 +246,10 @@ def test_a_trimmed_draft_proposes_from_its_own_ids_alike_fused_or_step_by_step_a
             widths.update(int(cast(torch.Tensor, job.logits).shape[-1]) for job in jobs if job.pick)
             return fed
 
-        def one_recorded(jobs: list[ForwardJob], *args: Any, **kwargs: Any) -> None:
-            run_one(jobs, *args, **kwargs)
+        def one_recorded(jobs: list[ForwardJob], *args: Any, **kwargs: Any) -> int:
+            width = run_one(jobs, *args, **kwargs)
             widths.update(int(cast(torch.Tensor, job.logits).shape[-1]) for job in jobs if job.pick)
+            return width
 
         scheduler._forward_steps, scheduler._forward = steps_recorded, one_recorded  # type: ignore[method-assign]
         if fused:

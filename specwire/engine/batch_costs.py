@@ -1,8 +1,8 @@
 """What a batched forward costs, by its rows and its width, learnt from the forwards served.
 
-A forward of R rows, each W new positions wide (the scheduler pads every row to the widest
-job), costs neither R times one row's forward nor what one row of W positions costs: on a CPU
-the matrix products grow with the R·W positions and attention with the rows. Speculation under
+A forward of R rows, each W new positions wide (rows of other widths are packed: W is their
+mean, rounded up), costs neither R times one row's forward nor what one row of W positions
+costs: on a CPU the matrix products grow with the R·W positions and attention with the rows. Speculation under
 load must price a verification of γ drafts at what it does to the whole batch, R rows of γ + 1
 positions (`ServerTiming.batch_costs`), so the table keeps what each (R, W) took.
 

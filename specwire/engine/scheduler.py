@@ -340,12 +340,16 @@ class Scheduler:
             # From slot 2 on: a job at slot 0 would look at one slot, and specialise that too.
             job = ForwardJob(rows, torch.zeros((len(rows), shape.tokens), dtype=torch.long), 2, shape.keep,
                              want_metrics=shape.metrics)
+            jobs = [job]
+            if shape.packed:  # the first row `tokens` wide, the others one
+                jobs = [ForwardJob(rows[:1], job.tokens[:1], 2, shape.keep, want_metrics=shape.metrics),
+                        ForwardJob(rows[1:], job.tokens[1:, :1], 2, 1, want_metrics=shape.metrics)]
             if shape.steps:
                 assert self._compiled_steps is not None
                 self._forward_steps([job], self._compiled_steps)
                 self._warm_steps.add(steps_key(len(rows), bool(run) or len(rows) == 1))
             else:
-                self._forward([job], self._compiled, warm=True)
+                self._forward(jobs, self._compiled, warm=True)
         finally:
             if run:
                 self.cache.release(run)
@@ -360,7 +364,7 @@ class Scheduler:
         tokens = 1 if width == 1 else min(width, 4)
         keep = 1 if picked <= rows else tokens if picked == rows * width else 2  # the last, all, or some
         metrics = any(job.want_metrics for job in jobs)
-        self._request_shape(Shape(kind, 1 if rows == 1 else 3, tokens, keep, metrics, steps))
+        self._request_shape(Shape(kind, 1 if rows == 1 else 3, tokens, keep, metrics, steps, batch.packed is not None))
 
     def _request_shape(self, shape: Shape) -> None:
         with self._mutex:
@@ -578,11 +582,12 @@ class Scheduler:
         started = time.perf_counter()
         fused = self._compiled_steps is not None and _fused(jobs) and self._steps_warm(jobs)
         fed = torch.empty(0)
+        width = 1
         try:
             if fused:
                 fed = self._forward_steps(jobs)
             else:
-                self._forward(jobs)
+                width = self._forward(jobs)
         except BaseException as error:  # every waiter must wake, with the reason
             for job in jobs:
                 job.error = error
@@ -594,7 +599,7 @@ class Scheduler:
         elapsed = time.perf_counter() - started
         self.stats.busy_s += elapsed
         if all(job.error is None for job in jobs):
-            self.costs.record(rows, 1 if fused else max(job.new_tokens for job in jobs), elapsed * 1e3 / forwards)
+            self.costs.record(rows, width, elapsed * 1e3 / forwards)
         for job in jobs:
             job.batch_rows = max(job.batch_rows, rows)
         with self._mutex:
@@ -709,15 +714,16 @@ class Scheduler:
     @torch.inference_mode()
     def _forward(
         self, jobs: list[ForwardJob], forward: Callable[..., ForwardOutput] | None = None, warm: bool = False
-    ) -> None:
+    ) -> int:
         """One forward of `jobs`: through the compiled code where their shape is compiled (or
-        `warm`: compile it now, through `forward`), else eagerly."""
+        `warm`: compile it now, through `forward`), else eagerly. Returns the width its cost
+        follows (`BatchCosts`): the widest row's, or packed, the rows' mean, rounded up."""
         forward = forward or self._compiled
         metrics = any(job.want_metrics for job in jobs)
         cuda = self.device.type == "cuda"
         compiled = forward is not None and not (metrics and cuda)
         pad = compiled and cuda  # CUDA graphs: few static shapes
-        batch = self._build(jobs, pad_rows=pad, key_multiple=64 if pad else 1)
+        batch = self._build(jobs, pad_rows=pad, key_multiple=64 if pad else 1, pack=not pad)
         batch.logit_index = logit_index(jobs, int(batch.input_ids.shape[1]), self.device, pad)
         if metrics:
             batch.metrics = True
@@ -766,13 +772,16 @@ class Scheduler:
                 scored += count
             first += count
             offset += size
+        rows, width = batch.input_ids.shape
+        return int(width) if batch.packed is None else -(-int(batch.packed.shape[0]) // int(rows))
 
 
 @dataclass(frozen=True)
 class Shape:
     """A forward's shape as compiled code specialises it: `kind` of rows ("one", a "run" of
-    consecutive rows read in place, or "gathered" rows), new tokens per row, logits kept per
-    row, entropix's metrics, fused greedy steps."""
+    consecutive rows read in place, or "gathered" rows), new tokens per row (the first row's,
+    where the others have one: `packed`), logits kept per row, entropix's metrics, fused greedy
+    steps."""
 
     kind: str
     rows: int
@@ -780,6 +789,7 @@ class Shape:
     keep: int
     metrics: bool = False
     steps: bool = False
+    packed: bool = False
 
 
 _SCHEDULERS: weakref.WeakSet[Scheduler] = weakref.WeakSet()
@@ -883,7 +893,8 @@ def shape_key(batch: ForwardBatch) -> tuple[bool, ...]:
     and the metrics' selection), a run of rows read in place, and the metrics."""
     rows, tokens = batch.input_ids.shape
     picked = 0 if batch.logit_index is None else int(batch.logit_index.shape[0])
-    key: tuple[bool, ...] = (rows == 1, tokens == 1, picked == 1, batch.contiguous_from is not None, batch.metrics)
+    key: tuple[bool, ...] = (rows == 1, tokens == 1, picked == 1, batch.contiguous_from is not None, batch.metrics,
+                             batch.packed is not None)
     if batch.score_tokens is not None:
         key += (batch.score_tokens.shape[0] == 1, batch.score_tokens.shape[1] == 1)
     return key
@@ -961,9 +972,11 @@ def bucket(size: int) -> int:
 
 def build_batch(
     jobs: list[ForwardJob], device: torch.device, scratch_row: int, pad_rows: bool = False, key_multiple: int = 1,
-    row_invariant: int = 0, steps: int = 1,
+    row_invariant: int = 0, steps: int = 1, pack: bool = True,
 ) -> ForwardBatch:
     """Pad the jobs' rows to one [B, T] batch with per-row slots, positions and key masks.
+    Where rows differ in width and `pack`, the real tokens are also indexed packed
+    (`ForwardBatch.packed`), so that the layers compute those alone.
 
     `pad_rows` rounds B up to a power of two with rows of the scratch row, and `key_multiple`
     rounds the slots looked at (L) up, so compiled code sees few distinct shapes.
@@ -1006,6 +1019,12 @@ def build_batch(
             key_mask[first : first + count, :n, start : start + n] = job.tree_mask
         first += count
     contiguous = rows == list(range(rows[0], rows[0] + B))
+    packed = packed_rows = packed_slots = None
+    if ragged and pack:
+        packed = torch.tensor([row * T + t for row, n in enumerate(lengths[:real]) for t in range(n)])
+        packed_rows = torch.tensor(rows)[packed // T].to(device)
+        packed_slots = slots.flatten()[packed].to(device)
+        packed = packed.to(device)
     return ForwardBatch(
         rows=torch.tensor(rows, dtype=torch.long, device=device),
         input_ids=input_ids.to(device),
@@ -1016,4 +1035,7 @@ def build_batch(
         dense=T == 1 and all(start == L - 1 for start in starts),  # every row sees every slot
         extents=torch.tensor([[n, start + n] for n, start in zip(lengths, starts, strict=True)], device=device)
         if row_invariant else None,
+        packed=packed,
+        packed_rows=packed_rows,
+        packed_slots=packed_slots,
     )
