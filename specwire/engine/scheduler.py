@@ -245,7 +245,8 @@ class Scheduler:
     def _common_shapes(self, cpu: bool) -> list[Shape]:
         """The shapes compiled first, most used first. CPU: one row at a decode step, one session's
         fused greedy steps, a verification scored at its last or every token, gathered and
-        consecutive rows (other sessions' decode steps and verifications), entropix's steps with
+        consecutive rows (other sessions' decode steps and verifications, and both packed: rows
+        of different widths, `ForwardBatch.packed`), entropix's steps with
         its metrics (a decode step, a prompt scored at its last token, a verification scored at
         every token and at its last few). CUDA: decode steps at 1, 2, 4 and 8 rows."""
         if not cpu:
@@ -253,6 +254,7 @@ class Scheduler:
         return [Shape("one", 1, 1, 1), Shape("one", 1, 1, 1, steps=True), Shape("one", 1, 3, 1), Shape("one", 1, 3, 3),
                 Shape("gathered", 3, 1, 1), Shape("gathered", 3, 1, 1, steps=True), Shape("gathered", 3, 3, 1),
                 Shape("run", 3, 1, 1), Shape("run", 3, 1, 1, steps=True), Shape("run", 3, 3, 1),
+                Shape("gathered", 3, 3, 3, packed=True), Shape("run", 3, 3, 3, packed=True),
                 Shape("one", 1, 1, 1, metrics=True), Shape("one", 1, 3, 1, metrics=True),
                 Shape("one", 1, 3, 3, metrics=True), Shape("one", 1, 4, 3, metrics=True)]
 
@@ -863,7 +865,8 @@ def _own_symbols(batch: ForwardBatch) -> None:
     tokens, a 64-slot key width and a head dim of 64), a later call where they differ fails that
     guard, and the forward thread recompiles inline, holding every session for as long as that
     takes (Gemma-3-270M's draft, 8 speculative streams on 2 cores: 0.7 s a token)."""
-    for tensor in (batch.rows, batch.input_ids, batch.slots, batch.positions, batch.key_mask, batch.logit_index):
+    for tensor in (batch.rows, batch.input_ids, batch.slots, batch.positions, batch.key_mask, batch.logit_index,
+                   batch.packed, batch.packed_rows, batch.packed_slots):
         if tensor is not None:
             for dim, size in enumerate(tensor.shape):
                 if size > 1:
