@@ -67,8 +67,8 @@ class ForwardBatch:
     # Ragged rows, packed: the real new tokens as [N] indices into the flattened [B·T], and each
     # one's cache row and slot. The layers then run on N positions rather than B·T, and only
     # attention sees the rows padded. On a CPU a forward's cost follows its positions: Gemma-3-270M
-    # (mixed), eight rows, one of 8 new tokens and seven of 1, took 63.8 ms padded to 64
-    # positions, against 27.3 for eight rows of one and 35.1 for one row of 15.
+    # (mixed), eight rows, one of 8 new tokens and seven of 1, took 62.8 ms padded to 64
+    # positions and 38.0 packed (eager; 26.8 for eight rows of one; docs/engine.md).
     packed: torch.Tensor | None = None
     packed_rows: torch.Tensor | None = None
     packed_slots: torch.Tensor | None = None

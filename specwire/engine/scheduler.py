@@ -893,7 +893,7 @@ def _allow_recompiles() -> None:
 
 def shape_key(batch: ForwardBatch) -> tuple[bool, ...]:
     """What torch specialises a compiled forward on: sizes of 1 (rows, new tokens, logits,
-    and the metrics' selection), a run of rows read in place, and the metrics."""
+    and the metrics' selection), a run of rows read in place, the metrics, and packed rows."""
     rows, tokens = batch.input_ids.shape
     picked = 0 if batch.logit_index is None else int(batch.logit_index.shape[0])
     key: tuple[bool, ...] = (rows == 1, tokens == 1, picked == 1, batch.contiguous_from is not None, batch.metrics,
