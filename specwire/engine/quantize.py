@@ -334,8 +334,9 @@ def w4a8_builds() -> bool:
 
 
 def w4a8_kernel() -> Any:
-    """The kernel, registered as `torch.ops.specwire.w4a8_linear` (opaque to the compiler,
-    which sees its output's shape); ValueError where it does not build (`kernels.load`)."""
+    """The kernel, also the operators `torch.ops.specwire.w4a8_linear` and `w8a8_linear` (opaque
+    to the compiler, which sees their outputs' shapes); ValueError where it does not build
+    (`kernels.load`)."""
     global _W4A8
     if _W4A8 is not None:
         return _W4A8
@@ -344,22 +345,13 @@ def w4a8_kernel() -> Any:
     except ValueError as error:
         raise ValueError(f"--quantize w4a8: {error}") from error
 
-    @torch.library.custom_op("specwire::w4a8_linear", mutates_args=())
-    def w4a8_linear(q: torch.Tensor, qsum: torch.Tensor, row_scale: torch.Tensor, packed: torch.Tensor,
-                    scales: torch.Tensor, group: int, out_features: int) -> torch.Tensor:
-        return cast(torch.Tensor, module.w4a8_linear(q, qsum, row_scale, packed, scales, group, out_features))
-
-    @w4a8_linear.register_fake
+    # Defined and run by the module itself (w4a8.cpp's TORCH_LIBRARY); here only their output shapes.
+    @torch.library.register_fake("specwire::w4a8_linear")
     def _(q: torch.Tensor, qsum: torch.Tensor, row_scale: torch.Tensor, packed: torch.Tensor,
           scales: torch.Tensor, group: int, out_features: int) -> torch.Tensor:
         return q.new_empty((q.shape[0], out_features), dtype=torch.float32)
 
-    @torch.library.custom_op("specwire::w8a8_linear", mutates_args=())
-    def w8a8_linear(q: torch.Tensor, row_scale: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                    colsum128: torch.Tensor, out_features: int) -> torch.Tensor:
-        return cast(torch.Tensor, module.w8a8_linear(q, row_scale, packed, scales, colsum128, out_features))
-
-    @w8a8_linear.register_fake
+    @torch.library.register_fake("specwire::w8a8_linear")
     def _(q: torch.Tensor, row_scale: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
           colsum128: torch.Tensor, out_features: int) -> torch.Tensor:
         return q.new_empty((q.shape[0], out_features), dtype=torch.float32)

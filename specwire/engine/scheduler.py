@@ -214,9 +214,12 @@ class Scheduler:
             else:
                 # No per-call checks of sizes, strides and alignment; for short steps, the
                 # wrapper that calls the kernels in C++: a decode step's ~30 µs of Python less.
+                # No guards on the modules' attributes, which never change once served: dynamo's
+                # look-up before each call 170 → 69 µs (the Gemma draft's 1-ms step).
                 checks_off = ("size_asserts", "scalar_asserts", "alignment_asserts")
                 options: dict[str, str | int | bool | Callable[..., Any]] = {"cpp_wrapper": short_steps}
                 options.update(dict.fromkeys(checks_off, False))
+                options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
                 forward = torch.compile(self.model.forward, dynamic=True, options=options)
                 steps = torch.compile(greedy_steps, dynamic=True, options=options) if short_steps else None
         except Exception as error:  # a compiler that cannot even start: serve eagerly
