@@ -344,15 +344,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // This library's own copy of torch's once-a-thread set-up of the thread count (an inline
   // function's thread_local): `compute_on` runs it first, so that it cannot undo the count later.
   m.def("init_threads", &at::internal::lazy_init_num_threads);
-  m.def("w4a8_linear", &w4a8_linear);
-  m.def("w8a8_linear", &w8a8_linear);
   m.def("isa", &isa);
   m.def("use_vnni", &use_vnni);
 }
 
-// The same kernels as torch operators, so that a compiled graph calls them through the dispatcher
-// with no Python in between (as a Python custom op, ~6 µs more a call here; a decode step makes one
-// a linear); their shapes for the compiler are registered in quantize.py.
+// The kernels, as torch operators (`torch.ops.specwire.*`), so that a compiled graph calls them
+// through the dispatcher with no Python in between (as a Python custom op, ~6 µs more a call
+// here; a decode step makes one a linear); their shapes for the compiler are in quantize.py.
 TORCH_LIBRARY_FRAGMENT(specwire, m) {
   m.def("w4a8_linear(Tensor q, Tensor qsum, Tensor row_scale, Tensor packed, Tensor scales, int group, "
         "int out_features) -> Tensor");
