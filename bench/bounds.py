@@ -21,6 +21,10 @@ Bounds, each a best case (no message, no token choice, no orchestrator):
 - speculative sampling at acceptance α: a round of γ drafts yields E = (1 − α^(γ+1))/(1 − α)
   tokens (Leviathan et al. 2023, Eq. 1) and costs γ·t_d + t_v(γ+1); the best ratio to greedy
   over γ ≤ 16 is max_γ t_g·E / (γ·t_d + t_v(γ+1)), and with a free draft max_γ t_g·E / t_v(γ+1);
+- speculation at S streams (`--streams`), each session's round verified in one forward of all S
+  rows (`Scheduler.time_verification`) and drafted in the draft's S-row steps: the best ratio to S
+  greedy streams is max_γ t_g(S)·E / (γ·t_d(S) + t_v(S, γ+1)), t_g(S) and t_d(S) the fused
+  S-row steps (each stream a token); the draft's steps add, since the services share the cores;
 - Medusa: with K heads a round accepts at most K tokens, scoring at least d + 1 positions to
   accept d: perfect heads reach at most max_{d ≤ K} t_g·(d + 1) / t_v(d + 1); the shipped
   heads at most max_N t_g·(1 + E(N)) / t_v(N + 1).
@@ -55,6 +59,7 @@ GREEDY_ROUND = 16
 ALPHAS = (0.7, 0.77, 0.8, 0.9, 0.95)
 MAX_GAMMA = 16
 STREAMS = 8
+STREAM_GAMMAS = (1, 2, 3, 4, 5, 7)  # γ timed at S streams: a compiled shape each
 MATMUL_SHAPES = ((256, 4096), (1024, 4096), (2048, 8192))  # (in, out) features
 MATMUL_ROWS = (1, 2, 5, 8, 16)
 CPU = torch.device("cpu")
@@ -100,6 +105,19 @@ def speculative_bound(alpha: float, greedy_ms: float, draft_ms: float, verify: l
     }
 
 
+def streams_bound(alpha: float, greedy_ms: float, draft_ms: float, verify: dict[int, float]) -> dict[str, float]:
+    """`speculative_bound` at S streams: `greedy_ms` and `draft_ms` an S-row step, `verify` {γ + 1:
+    ms of the S-row verification}; the best ratio to S greedy streams over the γ timed."""
+
+    def ratio(width: int, draft: float) -> float:
+        return greedy_ms * expected_tokens_per_round(alpha, width - 1) / ((width - 1) * draft + verify[width])
+
+    best = max(verify, key=lambda width: ratio(width, draft_ms))
+    free = max(verify, key=lambda width: ratio(width, 0.0))
+    return {"alpha": alpha, "best_gamma": best - 1, "ratio_vs_greedy": ratio(best, draft_ms),
+            "free_draft_best_gamma": free - 1, "free_draft_ratio_vs_greedy": ratio(free, 0.0)}
+
+
 def medusa_bounds(
     greedy_ms: float, verify: list[tuple[int, float]], heads: int, expected: dict[int, float]
 ) -> dict[str, Any]:
@@ -140,11 +158,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     verify, greedy_ms = target.measure_costs(repeats=args.repeats, positions=args.positions, decode_tokens=GREEDY_ROUND)
     assert target.scheduler is not None
     steps = {rows: target.scheduler.time_decode_step(rows, start=96) for rows in streams}
+    many = [rows for rows in streams if rows > 1]
+    verify_at = {rows: {gamma + 1: target.scheduler.time_verification(rows, gamma + 1, start=96, repeats=args.repeats)
+                        for gamma in STREAM_GAMMAS} for rows in many}
     draft = Engine(_load("draft", args), "draft", limits)
     draft.warmup()
     _, draft_ms = draft.measure_costs(repeats=args.repeats, positions=(1,), decode_tokens=GREEDY_ROUND)
+    assert draft.scheduler is not None
+    draft_steps = {rows: draft.scheduler.time_decode_step(rows, start=96) for rows in many}
     fused = all(step[1] is not None for step in steps.values())
-    step_ms = {rows: step[1] if fused else step[0] for rows, step in steps.items()}
+    step_ms = {rows: step[1] if fused and step[1] is not None else step[0] for rows, step in steps.items()}
+    draft_step_ms = {rows: step[1] if step[1] is not None else step[0] for rows, step in draft_steps.items()}
     batching = {rows: rows * step_ms[1] / ms for rows, ms in step_ms.items()}
     started_at = datetime.now(timezone.utc)
     report: dict[str, Any] = {
@@ -169,6 +193,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "p50_latency_vs_1_at_least": {rows: rows / ratio for rows, ratio in batching.items()},
         },
         "speculative": [speculative_bound(alpha, greedy_ms, draft_ms, verify) for alpha in ALPHAS],
+        "streams": {
+            rows: {
+                "verify_ms_by_positions": verify_at[rows],
+                "draft_step_ms": draft_step_ms[rows],
+                "speculative": [streams_bound(alpha, step_ms[rows], draft_step_ms[rows], verify_at[rows]) for alpha in ALPHAS],
+            } for rows in many
+        },
         "matmul": matmul_scaling(args.repeats * 4, target.lm.device, target.lm.dtype),
     }
     if args.medusa and Path(args.medusa).is_dir() and not args.target_shape and not is_feature_drafter(args.medusa):
@@ -228,6 +259,10 @@ def run(args: argparse.Namespace) -> int:
     for row in report["speculative"]:
         print(f"speculative at α = {row['alpha']}: ≤ {row['ratio_vs_greedy']:.2f}× greedy (γ = {row['best_gamma']}), "
               f"free draft ≤ {row['free_draft_ratio_vs_greedy']:.2f}× (γ = {row['free_draft_best_gamma']})")
+    for rows, bound in report["streams"].items():
+        for row in bound["speculative"]:
+            print(f"{rows} speculative streams at α = {row['alpha']}: ≤ {row['ratio_vs_greedy']:.2f}× {rows} greedy ones "
+                  f"(γ = {row['best_gamma']}), free draft ≤ {row['free_draft_ratio_vs_greedy']:.2f}×")
     for product in report["matmul"]:
         ratios = ", ".join(f"{rows}: {ratio:.2f}" for rows, ratio in product["times_one_row"].items())
         print(f"matrix product {product['shape']} ({product['weight_mib']:.0f} MiB), × one row's time: {ratios}")

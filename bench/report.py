@@ -199,6 +199,7 @@ def bounds_tables(report: dict[str, Any]) -> str:
               fmt(row["free_draft_ratio_vs_greedy"]), str(row["free_draft_best_gamma"])] for row in report["speculative"]],
         ),
         "",
+        *_streams_table(report.get("streams", {})),
         *_table(
             ["matrix product, weight", *(f"{rows} rows" for rows in report["matmul"][0]["times_one_row"] if rows != "1")],
             [[f"{p['shape'][0]} × {p['shape'][1]} ({p['weight_mib']:.0f} MiB), × one row's time",
@@ -219,6 +220,17 @@ def bounds_tables(report: dict[str, Any]) -> str:
             f"Perfect heads ({medusa['heads']}): at most {fmt(medusa['perfect_heads_ratio_vs_greedy'])}× greedy.",
         ]
     return "\n".join(lines)
+
+
+def _streams_table(streams: dict[str, Any]) -> list[str]:
+    """Speculation at S streams against S greedy streams, per α (`bounds.streams_bound`)."""
+    if not streams:
+        return []
+    header = ["α", *(f"{rows} streams: ratio to greedy (γ)" for rows in streams)]
+    alphas = [row["alpha"] for row in next(iter(streams.values()))["speculative"]]
+    rows = [[fmt(alpha), *(f"{fmt(bound['speculative'][i]['ratio_vs_greedy'])} ({bound['speculative'][i]['best_gamma']})"
+                           for bound in streams.values())] for i, alpha in enumerate(alphas)]
+    return [*_table(header, rows), ""]
 
 
 def load(path: str | Path) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""`specwire self-text`: a corpus of the target's own greedy continuations, to distil a draft on.
+"""`specwire self-text`: a corpus of the target's own continuations, to distil a draft on.
 
 A draft is accepted where it predicts what the target writes, not what people wrote: training
 on the target's outputs is how Medusa-2 and EAGLE self-distil, and DistillSpec (Zhou et al.
@@ -7,6 +7,9 @@ are the openings of lines cut from the training text (the stdlib split's trainin
 held-out files stay unseen); the target runs as it is served (its `--quantize`, batched on the
 engine), so the draft learns the model it will be verified against. Each continuation ends at
 an end id or after `--new-tokens`; the file is prompt + continuation, one document after another.
+Continuations are greedy, or sampled at `--temperature` (with `--top-k`, `--top-p`): a draft that
+sampled rounds verify is accepted at α = Σ min(p, q) over the target's sampled text, which greedy
+text covers only along its argmax path.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from tqdm import tqdm
 
 from specwire.demo import train_pair
 from specwire.engine import MAX_PROPOSE, CausalLM, Engine, EngineLimits
+from specwire.processing import ProcessingConfig
 from specwire.session import OpenRequest, StepRequest
 
 SEPARATOR = "\n\n\n"  # between documents: blank lines, as between the stdlib's top-level definitions
@@ -46,17 +50,21 @@ def prompts(count: int, lines: int, seed: int) -> list[str]:
     return chosen
 
 
-def continue_greedily(engine: Engine, prompt_ids: list[int], new_tokens: int, ends: set[int]) -> list[int]:
-    """The target's greedy continuation of `prompt_ids`, `MAX_PROPOSE` tokens a step, cut after
-    the first end id."""
+def continuation(
+    engine: Engine, prompt_ids: list[int], new_tokens: int, ends: set[int], sampling: ProcessingConfig | None = None,
+    seed: int = 0,
+) -> list[int]:
+    """The target's continuation of `prompt_ids`, greedy or drawn with `sampling` from `seed`,
+    `MAX_PROPOSE` tokens a step, cut after the first end id."""
     session = engine.new_session()
-    session.open(OpenRequest(prompt_ids=prompt_ids[:-1]))
+    session.open(OpenRequest(prompt_ids=prompt_ids[:-1], processing=sampling or ProcessingConfig()))
     out: list[int] = []
     last = prompt_ids[-1]
     try:
         while len(out) < new_tokens:
             count = min(MAX_PROPOSE, new_tokens - len(out))
-            result = session.step(StepRequest(append_ids=[last], propose=count, propose_greedy=True, propose_ids_only=True))
+            result = session.step(StepRequest(append_ids=[last], propose=count, propose_greedy=sampling is None,
+                                              propose_seed=seed + len(out), propose_ids_only=True))
             assert result.proposed_ids is not None
             for token in result.proposed_ids[0].tolist():
                 out.append(token)
@@ -78,11 +86,19 @@ def build(args: argparse.Namespace) -> Path:
     ends = set(lm.eos_token_ids)
     texts = prompts(args.prompts, args.lines, args.seed)
     encoded = [tokenizer(text)["input_ids"][: args.max_len - args.new_tokens - 1] for text in texts]
+    sampling = None
+    if args.temperature > 0:
+        sampling = ProcessingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+    def write(index: int) -> list[int]:
+        # Each continuation its own seeds, so a document does not depend on the streams' timing.
+        return continuation(engine, encoded[index], args.new_tokens, ends, sampling, (args.seed * len(encoded) + index) << 16)
+
     started = time.perf_counter()
     documents: list[str] = []
     generated = 0
     with ThreadPoolExecutor(args.streams) as pool, tqdm(total=len(encoded), desc="self-text", unit="doc") as bar:
-        for text, ids in zip(texts, pool.map(lambda ids: continue_greedily(engine, ids, args.new_tokens, ends), encoded),
+        for text, ids in zip(texts, pool.map(write, range(len(encoded))),
                              strict=True):
             kept = [token for token in ids if token not in ends]
             documents.append(text + str(tokenizer.decode(kept, skip_special_tokens=True)))
@@ -93,7 +109,8 @@ def build(args: argparse.Namespace) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(SEPARATOR.join(documents) + "\n", encoding="utf-8")
     print(f"wrote {out}: {len(documents)} continuations, {generated} tokens generated in {seconds:.0f} s "
-          f"({generated / seconds:.0f} tokens/s, --quantize {lm.quantization})")
+          f"({generated / seconds:.0f} tokens/s, --quantize {lm.quantization}, "
+          f"{'greedy' if sampling is None else f'sampled at temperature {args.temperature}'})")
     return out
 
 
@@ -111,13 +128,18 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--compile", default="off", choices=["auto", "on", "off"],
                         help="compile before generating (default off: minutes for a real target, longer than its run)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    parser.add_argument("--seed", type=int, default=0, help="where the prompts are cut")
+    parser.add_argument("--seed", type=int, default=0, help="where the prompts are cut, and the draws")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy)")
+    parser.add_argument("--top-k", type=int, default=0, help="with --temperature: keep the k most likely ids (0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus mass kept")
 
 
 def run(args: argparse.Namespace) -> int:
     for name in ("prompts", "lines", "new_tokens", "streams", "threads"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
+    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        raise SystemExit("--temperature and --top-k must be ≥ 0 and --top-p in (0, 1]")
     if args.max_len <= args.new_tokens + 1:
         raise SystemExit(f"--max-len must exceed --new-tokens + 1, got {args.max_len} and {args.new_tokens}")
     build(args)

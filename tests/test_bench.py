@@ -410,6 +410,13 @@ def test_bounds_follow_the_latency_model_and_the_tree_sizes() -> None:
     assert medusa["perfect_heads_ratio_vs_greedy"] == pytest.approx(4.0)  # 3 accepted + 1 a forward
     assert medusa["shipped_heads_ratio_vs_greedy"] == pytest.approx(2.5)
     assert medusa_bounds(1.0, growing, 3, {4: 0.8})["perfect_heads_ratio_vs_greedy"] == pytest.approx(1.0)
+    # S streams: a verification of S rows × (γ + 1) costing (γ + 1) steps (compute-bound) never pays;
+    # one costing a step pays E(α, γ) with a free draft, less a draft step per token.
+    assert bounds.streams_bound(0.9, 1.0, 0.0, {w: float(w) for w in (2, 3, 5)})["free_draft_ratio_vs_greedy"] <= 1.0
+    cheap = bounds.streams_bound(0.8, 1.0, 0.1, {2: 1.0, 5: 1.0})
+    assert cheap["free_draft_best_gamma"] == 4
+    assert cheap["free_draft_ratio_vs_greedy"] == pytest.approx(expected_tokens_per_round(0.8, 4))
+    assert cheap["ratio_vs_greedy"] == pytest.approx(expected_tokens_per_round(0.8, 4) / 1.4)
 
 
 def test_bounds_times_the_engine_and_reports_consistent_ratios(llama_target_dir: Path, llama_draft_dir: Path) -> None:
@@ -434,6 +441,14 @@ def test_bounds_times_the_engine_and_reports_consistent_ratios(llama_target_dir:
         assert batching["p50_latency_vs_1_at_least"][rows] == pytest.approx(rows / batching["streams_vs_1_at_most"][rows])
     for row in measured["speculative"]:  # a free draft can only do better
         assert 0 < row["ratio_vs_greedy"] <= row["free_draft_ratio_vs_greedy"]
+    assert list(measured["streams"]) == [3, 8]
+    for rows, bound in measured["streams"].items():
+        verify = bound["verify_ms_by_positions"]
+        assert list(verify) == [gamma + 1 for gamma in bounds.STREAM_GAMMAS] and all(ms > 0 for ms in verify.values())
+        assert bound["draft_step_ms"] > 0
+        for row in bound["speculative"]:
+            assert row == bounds.streams_bound(row["alpha"], step_ms[rows], bound["draft_step_ms"], verify)
+            assert 0 < row["ratio_vs_greedy"] <= row["free_draft_ratio_vs_greedy"]
     assert [product["times_one_row"][1] for product in measured["matmul"]] == [1.0] * len(bounds.MATMUL_SHAPES)
     assert "medusa" not in measured
     assert_bounds_tables_agree(json.loads(json.dumps(measured)))  # as `specwire bounds --out` writes it
@@ -459,7 +474,19 @@ def test_a_published_shape_gets_its_sizes_and_random_weights_the_engine_serves()
 
 
 def assert_bounds_tables_agree(data: dict[str, Any]) -> None:
-    forward, step, speculative, matmul = markdown_tables(report.render_any(data))
+    tables = markdown_tables(report.render_any(data))
+    forward, step, speculative = tables[:3]
+    if data.get("streams"):
+        streams, matmul = tables[3:5]
+        for i, cells in enumerate(streams):
+            for rows, bound in data["streams"].items():
+                row = bound["speculative"][i]
+                assert_cell_shows(cells["α"], row["alpha"])
+                shown, gamma = cells[f"{rows} streams: ratio to greedy (γ)"].split()
+                assert_cell_shows(shown, row["ratio_vs_greedy"])
+                assert gamma == f"({row['best_gamma']})"
+    else:
+        matmul = tables[3]
     shown = forward[0]
     assert shown["new positions n"] == "target forward, ms"
     for n, ms in data["target"]["forward_costs_ms"].items():

@@ -70,7 +70,7 @@ def test_distill_from_scratch_builds_a_trimmed_draft_that_learns_and_serves_targ
 def test_self_text_continues_prompts_as_transformers_greedy_does(llama_target_dir: Path) -> None:
     """The engine's continuation of a prompt is transformers' greedy `generate`, token for token,
     over two `MAX_PROPOSE` steps; the prompts are statement openings of the stdlib's training files."""
-    from specwire.draft_service.self_text import continue_greedily, prompts
+    from specwire.draft_service.self_text import continuation, prompts
 
     from specwire.engine import MAX_PROPOSE, Engine, EngineLimits
 
@@ -78,16 +78,39 @@ def test_self_text_continues_prompts_as_transformers_greedy_does(llama_target_di
     engine = Engine(lm, "target", EngineLimits(max_batch_rows=3, max_cache_len=256, compile="off"))
     prompt = [1, 17, 42, 99, 5]
     new_tokens = MAX_PROPOSE + 37  # two steps; at 115 its top two logits lie 0.002 apart (a tie to float error)
-    ours = continue_greedily(engine, prompt, new_tokens, ends=set())
+    ours = continuation(engine, prompt, new_tokens, ends=set())
     greedy = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=[])  # no end id: every step's argmax
     reference = lm.model.generate(torch.tensor([prompt]), generation_config=greedy)[0, len(prompt):].tolist()
     assert len(reference) == new_tokens
     assert ours == reference
-    cut = continue_greedily(engine, prompt, new_tokens, ends={reference[10]})
+    cut = continuation(engine, prompt, new_tokens, ends={reference[10]})
     assert cut == reference[: reference.index(reference[10]) + 1]
     openings = prompts(5, 3, seed=1)
     assert openings == prompts(5, 3, seed=1) and len(set(openings)) == 5
     assert all(text.count("\n") == 3 and text.strip() and not text.lstrip().startswith("#") for text in openings)
+
+
+def test_self_text_samples_within_the_warpers_and_replays_its_seed(llama_target_dir: Path) -> None:
+    """Sampled continuations: each token among the top k of transformers' logits at its position,
+    the same tokens from the same seed, others from another, and not the greedy path."""
+    from specwire.draft_service.self_text import continuation
+
+    from specwire.engine import Engine, EngineLimits
+    from specwire.processing import ProcessingConfig
+
+    lm = CausalLM.load(str(llama_target_dir), device="cpu", dtype="float32")
+    engine = Engine(lm, "target", EngineLimits(max_batch_rows=3, max_cache_len=256, compile="off"))
+    prompt, new_tokens = [1, 17, 42, 99, 5], 40
+    sampling = ProcessingConfig(temperature=1.5, top_k=3)
+    drawn = continuation(engine, prompt, new_tokens, set(), sampling, seed=7)
+    assert len(drawn) == new_tokens
+    assert drawn == continuation(engine, prompt, new_tokens, set(), sampling, seed=7)
+    assert drawn != continuation(engine, prompt, new_tokens, set(), sampling, seed=8)
+    assert drawn != continuation(engine, prompt, new_tokens, set())
+    with torch.no_grad():
+        logits = lm.model(torch.tensor([prompt + drawn])).logits[0, len(prompt) - 1 : -1]  # [new_tokens, vocab]
+    allowed = logits.topk(3, dim=-1).indices
+    assert (allowed == torch.tensor(drawn)[:, None]).any(-1).all()
 
 
 def test_distill_init_trains_a_scratch_draft_further_on_the_target_own_text(llama_target_dir: Path, tmp_path: Path) -> None:

@@ -416,6 +416,32 @@ class Scheduler:
                 self.cache.lengths[row] = 0
         return single, fused
 
+    def time_verification(self, rows: int, width: int, start: int, repeats: int = 50) -> float:
+        """Median ms of one forward of `rows` sessions' rows of `width` new positions each, every
+        position scored, packed as the sessions' verifications are; compiled first where the
+        scheduler compiles. The rows' lengths go back to 0."""
+        if rows > self.cache.scratch_row:
+            raise ValueError(f"rows must be ≤ {self.cache.scratch_row}, got {rows}")
+        self.cache.forget_kept(range(rows))
+        owners = [object() for _ in range(rows)]
+
+        def jobs() -> list[ForwardJob]:
+            return [ForwardJob([row], torch.zeros((1, width), dtype=torch.long), start, width, owner=owners[row])
+                    for row in range(rows)]
+
+        try:
+            self._forward(jobs(), warm=True)
+            times = []
+            for _ in range(repeats + 3):
+                started = time.perf_counter()
+                self._forward(jobs())
+                synchronize(self.device)
+                times.append(time.perf_counter() - started)
+        finally:
+            for row in range(rows):
+                self.cache.lengths[row] = 0
+        return statistics.median(times[3:]) * 1e3
+
     def forget(self, owner: object) -> None:
         """`owner` sends no more jobs (its session closed): stop expecting it."""
         with self._mutex:
