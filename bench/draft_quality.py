@@ -10,7 +10,11 @@ a draft service loads it (a trimmed-vocabulary draft scores all ids, zero outsid
   sampled draft token), greedy agreement (argmax q = argmax p), top-2 agreement (argmax p among
   q's two best: what a second candidate per drafted position could catch), the target's mass outside the
   draft's ids, and KL(p‖q) on the draft's ids (p renormalised there; over all ids it is infinite
-  for a trimmed draft). Exact, unlike the teacher cache's bounds (`specwire.sparse_distill`).
+  for a trimmed draft). Exact, unlike the teacher cache's bounds (`specwire.sparse_distill`);
+- on the target's sampled continuations of the bench prompts (`--samples` seeds each), p and q
+  both warped as a sampled request warps them (`--temperature`, `--top-k`, `--top-p`; the
+  bench's sampling row by default): what a sampled round accepts, α = Σ_x min(p_w(x), q_w(x)),
+  and what one deterministic candidate would, p_w(argmax q_w) (no KL: warped q is zero on most ids).
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ import json
 from typing import Any
 
 import torch
-from specwire.bench.bench import load_prompts
+from specwire.bench.bench import BASE_WARPERS, load_prompts
 from specwire.bench.quality import greedy, held_out_windows, window_logits
 
 from specwire.engine import CausalLM, Engine, EngineLimits
+from specwire.processing import ProcessingConfig, sampling_probs
+from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
 
 
 def pair_sums(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
@@ -44,13 +50,36 @@ def pair_sums(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.
     return torch.stack([alpha.sum(), agree.sum(), (1 - mass_in).sum(), kl.sum(), agree_top2.sum()])
 
 
+def warped_sums(target_logits: torch.Tensor, draft_logits: torch.Tensor, warpers: ProcessingConfig) -> torch.Tensor:
+    """Per-position figures summed over positions, p and q warped: [α, agreement, p_w(argmax q_w)]."""
+    none = torch.zeros((len(target_logits), 1), dtype=torch.long)  # no penalties: no history read
+    p, q = sampling_probs(target_logits, none, warpers), sampling_probs(draft_logits, none, warpers)  # [N, V]
+    best = q.argmax(-1, keepdim=True)  # [N, 1]
+    agree = (best == p.argmax(-1, keepdim=True)).float()
+    return torch.stack([torch.minimum(p, q).sum(), agree.sum(), p.gather(-1, best).sum()])
+
+
+def sampled(engine: Engine, ids: list[int], new_tokens: int, warpers: ProcessingConfig, seed: int) -> list[int]:
+    """The target's continuation of `ids` drawn at `warpers` from `seed`, as a sampled request's."""
+    session = engine.new_session()
+    try:
+        opened = session.open(OpenRequest(prompt_ids=ids[:-1], processing=warpers, scoring=Scoring(ScoreKind.NONE)))
+        assert opened.num_tokens == len(ids) - 1
+        step = session.step(StepRequest(append_ids=ids[-1:], propose=new_tokens, propose_seed=seed, propose_ids_only=True))
+        assert step.proposed_ids is not None
+        return [int(token) for token in step.proposed_ids[0].tolist()]
+    finally:
+        session.close()
+
+
 def figures(sums: torch.Tensor, count: int) -> dict[str, float]:
     alpha, agree, outside, kl, agree_top2 = (sums / max(1, count)).tolist()
     return {"alpha": alpha, "greedy_agreement": agree, "top2_agreement": agree_top2,
             "target_mass_outside_draft": outside, "kl_on_draft_ids": kl}
 
 
-def measure(target: str, draft: str, modes: list[str], windows: int, window: int, prompts: list[str], new_tokens: int) -> dict[str, Any]:
+def measure(target: str, draft: str, modes: list[str], windows: int, window: int, prompts: list[str], new_tokens: int,
+            warpers: ProcessingConfig | None = None, samples: int = 3) -> dict[str, Any]:
     limits = EngineLimits(compile="off", max_batch_rows=2, max_cache_len=max(window + 1, 512))
     drafter = Engine(CausalLM.load(draft, device="cpu", dtype="float32"), "draft", limits)
     tokenizer = drafter.lm.tokenizer
@@ -74,6 +103,20 @@ def measure(target: str, draft: str, modes: list[str], windows: int, window: int
             cont += pair_sums(window_logits(engine, sequence)[scored], window_logits(drafter, sequence)[scored])
             cont_count += new_tokens
         report["modes"][mode] = {"held_out": figures(held, held_count), "continuations": figures(cont, cont_count)}
+        if warpers is not None and samples:
+            drawn, drawn_count = torch.zeros(3), 0
+            for index, ids in enumerate(prompt_ids):
+                for seed in range(samples):
+                    sequence = ids + sampled(engine, ids, new_tokens, warpers, seed=1000 * index + seed)
+                    scored = slice(len(ids) - 1, None)
+                    drawn += warped_sums(window_logits(engine, sequence)[scored], window_logits(drafter, sequence)[scored],
+                                         warpers)
+                    drawn_count += new_tokens
+            alpha, agree, first = (drawn / max(1, drawn_count)).tolist()
+            report["modes"][mode]["sampled"] = {"alpha": alpha, "greedy_agreement": agree, "candidate_acceptance": first}
+    if warpers is not None:
+        report["warpers"] = {"temperature": warpers.temperature, "top_k": warpers.top_k, "top_p": warpers.top_p,
+                             "samples": samples}
     return report
 
 
@@ -86,19 +129,32 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--window", type=int, default=256, help="tokens per window, its BOS included")
     parser.add_argument("--prompts", help="the bench's --prompts (default: the bench's own)")
     parser.add_argument("--new-tokens", type=int, default=64, help="greedy target tokens per prompt")
+    parser.add_argument("--samples", type=int, default=3, help="sampled continuations per prompt (0: none)")
+    parser.add_argument("--temperature", type=float, default=BASE_WARPERS["temperature"], help="their warpers")
+    parser.add_argument("--top-k", type=int, default=BASE_WARPERS["top_k"])
+    parser.add_argument("--top-p", type=float, default=BASE_WARPERS["top_p"])
     parser.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.quantize.split(",") if m.strip()]
-    report = measure(args.target, args.draft, modes, args.windows, args.window, load_prompts(args.prompts), args.new_tokens)
+    if args.samples < 0 or args.temperature <= 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        raise SystemExit("--samples and --top-k must be ≥ 0, --temperature > 0 and --top-p in (0, 1]")
+    warpers = ProcessingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    report = measure(args.target, args.draft, modes, args.windows, args.window, load_prompts(args.prompts), args.new_tokens,
+                     warpers, args.samples)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     for mode, parts in report["modes"].items():
-        for part, values in parts.items():
+        for part in ("held_out", "continuations"):
+            values = parts[part]
             print(f"target {mode}, {part}: α {values['alpha']:.3f}, greedy agreement {values['greedy_agreement']:.3f}, "
                   f"top-2 agreement {values['top2_agreement']:.3f}, "
                   f"target mass outside the draft's ids {values['target_mass_outside_draft']:.3f}, "
                   f"KL on the draft's ids {values['kl_on_draft_ids']:.3f}")
+        if "sampled" in parts:
+            drawn = parts["sampled"]
+            print(f"target {mode}, sampled continuations, warped: α {drawn['alpha']:.3f}, greedy agreement "
+                  f"{drawn['greedy_agreement']:.3f}, p(the draft's argmax) {drawn['candidate_acceptance']:.3f}")
     return 0

@@ -21,7 +21,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 import torch
-from specwire.bench.draft_quality import pair_sums
+from specwire.bench.draft_quality import pair_sums, warped_sums
 from specwire.client import Client
 from specwire.client.cli import main as cli_main
 from specwire.draft_service.scratch import DraftShape, new_draft
@@ -210,6 +210,21 @@ def test_pair_sums_are_alpha_agreements_outside_mass_and_kl_on_the_draft_ids() -
     assert kl == pytest.approx(float((kept * (kept / q[[0, 2]]).log()).sum()))
 
 
+def test_warped_figures_compare_the_distributions_a_sampled_round_draws_from() -> None:
+    """p and q warped alike (T 0.5, top-k 2): α = Σ min over the survivors, the draft's argmax
+    against the target's, and the target's warped mass on the draft's argmax."""
+    from specwire.processing import ProcessingConfig
+
+    target = torch.tensor([[2.0, 1.5, 0.0, -1.0]])
+    draft = torch.tensor([[1.0, float("-inf"), 1.2, 0.0]])  # a trimmed draft: id 1 is not its
+    p = torch.tensor([0.0, 0.0, 0.0, 0.0]).index_put_((torch.tensor([0, 1]),), (torch.tensor([2.0, 1.5]) / 0.5).softmax(-1))
+    q = torch.tensor([0.0, 0.0, 0.0, 0.0]).index_put_((torch.tensor([0, 2]),), (torch.tensor([1.0, 1.2]) / 0.5).softmax(-1))
+    alpha, agree, first = warped_sums(target, draft, ProcessingConfig(temperature=0.5, top_k=2)).tolist()
+    assert alpha == pytest.approx(float(torch.minimum(p, q).sum()))
+    assert agree == 0.0  # the draft's argmax is id 2, the target's id 0
+    assert first == pytest.approx(0.0)  # the warped target gives id 2 nothing
+
+
 def test_draft_quality_reports_exact_figures_for_a_trimmed_draft(
     small_target_dir: Path, trimmed_draft_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -220,6 +235,9 @@ def test_draft_quality_reports_exact_figures_for_a_trimmed_draft(
     for part in ("held_out", "continuations"):
         values = report["modes"]["none"][part]
         assert 0.0 < values["alpha"] < 1.0 and values["target_mass_outside_draft"] > 0.0
+    drawn = report["modes"]["none"]["sampled"]
+    assert 0.0 < drawn["alpha"] <= 1.0 and 0.0 <= drawn["candidate_acceptance"] <= 1.0
+    assert report["warpers"] == {"temperature": 0.666, "top_k": 27, "top_p": 0.9, "samples": 3}
 
 
 def test_a_trimmed_draft_proposes_from_its_own_ids_alike_fused_or_step_by_step_and_scores_over_all(
