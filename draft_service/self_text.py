@@ -92,7 +92,7 @@ def build(args: argparse.Namespace) -> Path:
 
     def write(index: int) -> list[int]:
         # Each continuation its own seeds, so a document does not depend on the streams' timing.
-        return continuation(engine, encoded[index], args.new_tokens, ends, sampling, (args.seed * len(encoded) + index) << 16)
+        return continuation(engine, encoded[index], args.new_tokens, ends, sampling, (args.seed << 32) + (index << 16))
 
     started = time.perf_counter()
     documents: list[str] = []
