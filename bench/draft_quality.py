@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from specwire.bench.bench import BASE_WARPERS, load_prompts
 from specwire.bench.quality import greedy, held_out_windows, window_logits
+from specwire.draft_service.self_text import continuation
 
 from specwire.engine import CausalLM, Engine, EngineLimits
 from specwire.processing import ProcessingConfig, sampling_probs
-from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
 
 
 def pair_sums(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
@@ -57,19 +57,6 @@ def warped_sums(target_logits: torch.Tensor, draft_logits: torch.Tensor, warpers
     best = q.argmax(-1, keepdim=True)  # [N, 1]
     agree = (best == p.argmax(-1, keepdim=True)).float()
     return torch.stack([torch.minimum(p, q).sum(), agree.sum(), p.gather(-1, best).sum()])
-
-
-def sampled(engine: Engine, ids: list[int], new_tokens: int, warpers: ProcessingConfig, seed: int) -> list[int]:
-    """The target's continuation of `ids` drawn at `warpers` from `seed`, as a sampled request's."""
-    session = engine.new_session()
-    try:
-        opened = session.open(OpenRequest(prompt_ids=ids[:-1], processing=warpers, scoring=Scoring(ScoreKind.NONE)))
-        assert opened.num_tokens == len(ids) - 1
-        step = session.step(StepRequest(append_ids=ids[-1:], propose=new_tokens, propose_seed=seed, propose_ids_only=True))
-        assert step.proposed_ids is not None
-        return [int(token) for token in step.proposed_ids[0].tolist()]
-    finally:
-        session.close()
 
 
 def figures(sums: torch.Tensor, count: int) -> dict[str, float]:
@@ -107,7 +94,7 @@ def measure(target: str, draft: str, modes: list[str], windows: int, window: int
             drawn, drawn_count = torch.zeros(3), 0
             for index, ids in enumerate(prompt_ids):
                 for seed in range(samples):
-                    sequence = ids + sampled(engine, ids, new_tokens, warpers, seed=1000 * index + seed)
+                    sequence = ids + continuation(engine, ids, new_tokens, set(), warpers, seed=1000 * index + seed)
                     scored = slice(len(ids) - 1, None)
                     drawn += warped_sums(window_logits(engine, sequence)[scored], window_logits(drafter, sequence)[scored],
                                          warpers)
