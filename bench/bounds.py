@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -87,15 +88,20 @@ def matmul_scaling(repeats: int, device: torch.device = CPU, dtype: torch.dtype 
     return report
 
 
-def speculative_bound(alpha: float, greedy_ms: float, draft_ms: float, verify: list[tuple[int, float]]) -> dict[str, float]:
-    """The best ratio to greedy over γ ≤ MAX_GAMMA, with the draft's cost and with a free draft."""
+def speculative_bound(
+    alpha: float, greedy_ms: float, draft_ms: float, verify: list[tuple[int, float]],
+    gammas: Sequence[int] = range(1, MAX_GAMMA + 1),
+) -> dict[str, float]:
+    """The best ratio to greedy over `gammas`, with the draft's cost and with a free draft. At S
+    streams: `greedy_ms` and `draft_ms` S-row steps, `verify` the S-row verifications timed, and
+    `gammas` those timed (`STREAM_GAMMAS`)."""
 
     def ratio(gamma: int, draft: float) -> float:
         cost = gamma * draft + forward_cost_at(verify, gamma + 1)
         return greedy_ms * expected_tokens_per_round(alpha, gamma) / cost
 
-    best = max(range(1, MAX_GAMMA + 1), key=lambda gamma: ratio(gamma, draft_ms))
-    free = max(range(1, MAX_GAMMA + 1), key=lambda gamma: ratio(gamma, 0.0))
+    best = max(gammas, key=lambda gamma: ratio(gamma, draft_ms))
+    free = max(gammas, key=lambda gamma: ratio(gamma, 0.0))
     return {
         "alpha": alpha,
         "best_gamma": best,
@@ -103,19 +109,6 @@ def speculative_bound(alpha: float, greedy_ms: float, draft_ms: float, verify: l
         "free_draft_best_gamma": free,
         "free_draft_ratio_vs_greedy": ratio(free, 0.0),
     }
-
-
-def streams_bound(alpha: float, greedy_ms: float, draft_ms: float, verify: dict[int, float]) -> dict[str, float]:
-    """`speculative_bound` at S streams: `greedy_ms` and `draft_ms` an S-row step, `verify` {γ + 1:
-    ms of the S-row verification}; the best ratio to S greedy streams over the γ timed."""
-
-    def ratio(width: int, draft: float) -> float:
-        return greedy_ms * expected_tokens_per_round(alpha, width - 1) / ((width - 1) * draft + verify[width])
-
-    best = max(verify, key=lambda width: ratio(width, draft_ms))
-    free = max(verify, key=lambda width: ratio(width, 0.0))
-    return {"alpha": alpha, "best_gamma": best - 1, "ratio_vs_greedy": ratio(best, draft_ms),
-            "free_draft_best_gamma": free - 1, "free_draft_ratio_vs_greedy": ratio(free, 0.0)}
 
 
 def medusa_bounds(
@@ -197,7 +190,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             rows: {
                 "verify_ms_by_positions": verify_at[rows],
                 "draft_step_ms": draft_step_ms[rows],
-                "speculative": [streams_bound(alpha, step_ms[rows], draft_step_ms[rows], verify_at[rows]) for alpha in ALPHAS],
+                "speculative": [speculative_bound(alpha, step_ms[rows], draft_step_ms[rows], list(verify_at[rows].items()),
+                                                  STREAM_GAMMAS) for alpha in ALPHAS],
             } for rows in many
         },
         "matmul": matmul_scaling(args.repeats * 4, target.lm.device, target.lm.dtype),

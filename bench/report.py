@@ -223,7 +223,7 @@ def bounds_tables(report: dict[str, Any]) -> str:
 
 
 def _streams_table(streams: dict[str, Any]) -> list[str]:
-    """Speculation at S streams against S greedy streams, per α (`bounds.streams_bound`)."""
+    """Speculation at S streams against S greedy streams, per α (`bounds.speculative_bound` at S streams)."""
     if not streams:
         return []
     header = ["α", *(f"{rows} streams: ratio to greedy (γ)" for rows in streams)]

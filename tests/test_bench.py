@@ -412,8 +412,9 @@ def test_bounds_follow_the_latency_model_and_the_tree_sizes() -> None:
     assert medusa_bounds(1.0, growing, 3, {4: 0.8})["perfect_heads_ratio_vs_greedy"] == pytest.approx(1.0)
     # S streams: a verification of S rows × (γ + 1) costing (γ + 1) steps (compute-bound) never pays;
     # one costing a step pays E(α, γ) with a free draft, less a draft step per token.
-    assert bounds.streams_bound(0.9, 1.0, 0.0, {w: float(w) for w in (2, 3, 5)})["free_draft_ratio_vs_greedy"] <= 1.0
-    cheap = bounds.streams_bound(0.8, 1.0, 0.1, {2: 1.0, 5: 1.0})
+    compute_bound = [(w, float(w)) for w in (2, 3, 5)]
+    assert speculative_bound(0.9, 1.0, 0.0, compute_bound, (1, 2, 4))["free_draft_ratio_vs_greedy"] <= 1.0
+    cheap = speculative_bound(0.8, 1.0, 0.1, [(2, 1.0), (5, 1.0)], (1, 4))
     assert cheap["free_draft_best_gamma"] == 4
     assert cheap["free_draft_ratio_vs_greedy"] == pytest.approx(expected_tokens_per_round(0.8, 4))
     assert cheap["ratio_vs_greedy"] == pytest.approx(expected_tokens_per_round(0.8, 4) / 1.4)
@@ -447,7 +448,8 @@ def test_bounds_times_the_engine_and_reports_consistent_ratios(llama_target_dir:
         assert list(verify) == [gamma + 1 for gamma in bounds.STREAM_GAMMAS] and all(ms > 0 for ms in verify.values())
         assert bound["draft_step_ms"] > 0
         for row in bound["speculative"]:
-            assert row == bounds.streams_bound(row["alpha"], step_ms[rows], bound["draft_step_ms"], verify)
+            assert row == speculative_bound(row["alpha"], step_ms[rows], bound["draft_step_ms"], list(verify.items()),
+                                            bounds.STREAM_GAMMAS)
             assert 0 < row["ratio_vs_greedy"] <= row["free_draft_ratio_vs_greedy"]
     assert [product["times_one_row"][1] for product in measured["matmul"]] == [1.0] * len(bounds.MATMUL_SHAPES)
     assert "medusa" not in measured
