@@ -397,20 +397,9 @@ class Scheduler:
         def job() -> ForwardJob:  # as a proposal's step: a trimmed draft's logits stay K wide
             return ForwardJob(list(range(rows)), torch.zeros((rows, 1), dtype=torch.long), start, 1, narrow=True)
 
-        def median_ms(step: Callable[[], object], per: int) -> float:
-            for _ in range(5):
-                step()
-            times = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                step()
-                synchronize(self.device)
-                times.append(time.perf_counter() - started)
-            return statistics.median(times) * 1e3 / per
-
         try:
-            single = median_ms(lambda: self._forward([job()]), 1)
-            fused = median_ms(lambda: self._forward_steps([job()]), FUSED_STEPS) if self._compiled_steps else None
+            single = self._median_ms(lambda: self._forward([job()]), repeats)
+            fused = self._median_ms(lambda: self._forward_steps([job()]), repeats, FUSED_STEPS) if self._compiled_steps else None
         finally:
             for row in range(rows):
                 self.cache.lengths[row] = 0
@@ -431,16 +420,22 @@ class Scheduler:
 
         try:
             self._forward(jobs(), warm=True)
-            times = []
-            for _ in range(repeats + 3):
-                started = time.perf_counter()
-                self._forward(jobs())
-                synchronize(self.device)
-                times.append(time.perf_counter() - started)
+            return self._median_ms(lambda: self._forward(jobs()), repeats)
         finally:
             for row in range(rows):
                 self.cache.lengths[row] = 0
-        return statistics.median(times[3:]) * 1e3
+
+    def _median_ms(self, step: Callable[[], object], repeats: int, per: int = 1) -> float:
+        """Median ms of `step` over `repeats` runs after 5 unmeasured ones, divided by `per`."""
+        for _ in range(5):
+            step()
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            step()
+            synchronize(self.device)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times) * 1e3 / per
 
     def forget(self, owner: object) -> None:
         """`owner` sends no more jobs (its session closed): stop expecting it."""
