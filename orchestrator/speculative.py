@@ -213,8 +213,12 @@ class Speculation:
         self.target_opened = self.draft_opened = False
         # The services' warm-up timings and the pair's earlier rounds let the first round be
         # planned, not guessed.
-        draft_ms = ctx.draft.info.decode_ms_per_token if self.draft is not None else 0.0
         self.memory = acceptance_memory(ctx)
+        # A service times itself once its compiler is done, which may be while another service
+        # on the same cores still compiles (Gemma-3-270M's draft: 20.6 ms a token against 1.1):
+        # the plan trusts that figure only until it has measured the draft itself.
+        self.draft_measured = self.draft is None or self.memory.draft_ms_per_token is not None
+        draft_ms = 0.0 if self.draft is None else self.memory.draft_ms_per_token or ctx.draft.info.decode_ms_per_token
         self.estimates = RunningEstimates.seeded(
             ctx.target.info.forward_costs, ctx.target.info.decode_ms_per_token, draft_ms, self.memory.prior()
         )
@@ -286,6 +290,8 @@ class Speculation:
         if plan.speculate:
             self.backoff, self.probing = MIN_BACKOFF, False
             return plan.gamma
+        if not self.draft_measured:
+            return min(FIRST_GAMMA, max_gamma)  # a draft ruled out on its own word: measure it first
         # A probe measures α again; it is worth its round only while α might still be high
         # enough for speculation to pay.
         if self.probing and plan.gamma > 0 and self.estimates.plan(
@@ -502,6 +508,9 @@ class Speculation:
         # took Gemma-3-270M's draft from 1.3 to 2.3 ms a round, and the next round target-only).
         if ctx.stats.draft.calls > 2 and len(append) <= 1:
             self.estimates.record_draft(spent.compute_ms, len(tokens), spent.client_ms - spent.compute_ms)
+            if self.estimates.draft_measured:
+                self.draft_measured = True
+                self.memory.draft_ms_per_token = self.estimates.draft_ms_per_token
         return Proposal(tokens, result.proposal_scores if params.do_sample else None, alternatives)
 
     async def _verify(self, proposal: Proposal) -> StepResult:

@@ -179,6 +179,9 @@ class AcceptanceMemory:
     accepted: float = 0.0
     rejected: float = 0.0
     decay: float = 0.99  # ~100 rounds: several generations
+    # The draft's ms a token as this orchestrator measured it (`RunningEstimates.draft_ms_per_token`);
+    # None until then, when the plan has only the service's warm-up figure (`Info`).
+    draft_ms_per_token: float | None = None
 
     def record(self, drafted: int, accepted: int) -> None:
         self.accepted, self.rejected = decayed_counts(self.accepted, self.rejected, self.decay, drafted, accepted)
@@ -222,6 +225,7 @@ class RunningEstimates:
     # (Gemma-3-270M, int4 draft: auto γ 2.08 → 2.17 on average, c 0.19 → 0.16).
     draft_step_ms: float | None = None
     draft_fixed_ms: float | None = None
+    draft_measured: bool = False  # the draft figures are this generation's rounds', not a seed
     verify_ms: float | None = None
     target_ms_per_token: float | None = None  # target-only rounds: compute per decided token
     draft_trip_ms: float | None = None  # a draft message's time beyond the draft's compute
@@ -337,6 +341,10 @@ class RunningEstimates:
 
     def record_draft(self, compute_ms: float, tokens: int, trip_ms: float) -> None:
         if tokens > 0:
+            if not self.draft_measured:  # a seed gives way: averaged in, a stale one would linger
+                self.draft_ms_per_token = None
+                self.draft_step_ms = min(self.draft_step_ms, compute_ms / tokens) if self.draft_step_ms else None
+                self.draft_measured = True
             per_token = compute_ms / tokens if self.draft_step_ms is None else min(compute_ms / tokens, self.draft_step_ms)
             self.draft_ms_per_token = _ema(self.draft_ms_per_token, per_token)
             if self.draft_step_ms is not None:

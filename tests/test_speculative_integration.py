@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,8 @@ from specwire.draft_service.server import build_backend
 from specwire.config import ModelServiceConfig
 from specwire.errors import InvalidArgument
 from specwire.startup import StartupClock
-from tests.conftest import hf_model, make_stack
-from tests.harness import LoopThread, Stack, start_orchestrator
+from tests.conftest import hf_model, load_engine, make_stack
+from tests.harness import LoopThread, Stack, start_model_server, start_orchestrator
 
 pytest_plugins = ["tests.spec_fixtures"]  # its fixtures: stacks and the small-vocabulary pair
 
@@ -199,6 +200,38 @@ def test_auto_gamma_falls_back_to_target_only_rounds_when_drafts_are_rejected(
     assert stats.speculation_off_rounds > 0 and stats.target_only_tokens > 0
     assert stats.rounds > stats.speculation_off_rounds  # it speculated to measure
     assert 0 < stats.alpha_estimate < 0.5 and stats.verify_ms_estimate > 0 and stats.draft_ms_per_token_estimate > 0
+
+
+def test_a_draft_that_claims_to_be_slow_is_measured_before_it_is_ruled_out(
+    loop: LoopThread, llama_target_dir: Path
+) -> None:
+    """A service times itself at warm-up, perhaps while another one compiles on the same cores:
+    a draft whose `Info` claims 1000 times its cost would never be asked by a plan that believed
+    it. Auto γ measures it first (the target as its own draft: every draft accepted), keeps
+    greedy's output, and starts the pair's next generation from what it measured."""
+    target = load_engine(llama_target_dir, "target")
+    draft = load_engine(llama_target_dir, "draft")
+    claimed = draft.info().decode_ms_per_token * 1000
+    measured_info = draft.info
+    draft.info = lambda: replace(measured_info(), decode_ms_per_token=claimed)  # type: ignore[method-assign]
+    target_server = loop.run(start_model_server(target))
+    draft_server = loop.run(start_model_server(draft))
+    orchestrator = loop.run(start_orchestrator(target_server.address, draft_server.address, str(llama_target_dir)))
+    stack = Stack(loop, target_server, draft_server, orchestrator)
+    try:
+        client = Client(stack.address)
+        expected = client.generate(PROMPT, strategy="greedy", max_new_tokens=40, ignore_eos=True).token_ids
+        first, second = (
+            client.generate(PROMPT, strategy="speculative", max_new_tokens=40, ignore_eos=True, lookup_min_ngram=0)
+            for _ in range(2)
+        )
+    finally:
+        stack.stop()
+    assert first.token_ids == second.token_ids == expected
+    assert first.stats.drafted_tokens > 0 and 0 < first.stats.draft_ms_per_token_estimate < claimed / 50
+    check_stats_add_up(first.stats, untrimmed=True)
+    # Seeded from the first generation's figure, the second need not probe to learn it.
+    assert second.stats.draft_ms_per_token_estimate < claimed / 50
 
 
 def test_no_draft_tokens_are_spent_past_max_new_tokens(self_draft_stack: Stack) -> None:
