@@ -47,6 +47,9 @@ MAX_AUTO_GAMMA = 16
 # first wait is already a few rounds; each failed probe doubles it.
 MIN_BACKOFF = 4
 MAX_BACKOFF = 16
+# Rounds that ask a draft the plan would rule out on its published cost, to measure it; bounded,
+# as a draft that proposes nothing (its confidence threshold) is never measured.
+DRAFT_PROBES = 4
 # Sampled rounds: the draft proposes from (and sends) its top k only, renormalised. Any q the
 # drafts are drawn from keeps the rule exact; this one crosses the wire in k·8 bytes a position.
 DRAFT_TOP_K = 128
@@ -218,6 +221,7 @@ class Speculation:
         # on the same cores still compiles (Gemma-3-270M's draft: 20.6 ms a token against 1.1):
         # the plan trusts that figure only until it has measured the draft itself.
         self.draft_measured = self.draft is None or self.memory.draft_ms_per_token is not None
+        self.draft_probes = 0
         draft_ms = 0.0 if self.draft is None else self.memory.draft_ms_per_token or ctx.draft.info.decode_ms_per_token
         self.estimates = RunningEstimates.seeded(
             ctx.target.info.forward_costs, ctx.target.info.decode_ms_per_token, draft_ms, self.memory.prior()
@@ -290,7 +294,8 @@ class Speculation:
         if plan.speculate:
             self.backoff, self.probing = MIN_BACKOFF, False
             return plan.gamma
-        if not self.draft_measured:
+        if not self.draft_measured and self.draft_probes < DRAFT_PROBES:
+            self.draft_probes += 1
             return min(FIRST_GAMMA, max_gamma)  # a draft ruled out on its own word: measure it first
         # A probe measures α again; it is worth its round only while α might still be high
         # enough for speculation to pay.
