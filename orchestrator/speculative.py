@@ -219,8 +219,7 @@ class Speculation:
         self.memory = acceptance_memory(ctx)
         # A service times itself once its compiler is done, which may be while another service
         # on the same cores still compiles (Gemma-3-270M's draft: 20.6 ms a token against 1.1):
-        # the plan trusts that figure only until it has measured the draft itself.
-        self.draft_measured = self.draft is None or self.memory.draft_ms_per_token is not None
+        # the plan trusts that figure only until the pair's memory holds a measured one.
         self.draft_probes = 0
         draft_ms = 0.0 if self.draft is None else self.memory.draft_ms_per_token or ctx.draft.info.decode_ms_per_token
         self.estimates = RunningEstimates.seeded(
@@ -294,7 +293,7 @@ class Speculation:
         if plan.speculate:
             self.backoff, self.probing = MIN_BACKOFF, False
             return plan.gamma
-        if not self.draft_measured and self.draft_probes < DRAFT_PROBES:
+        if self.draft is not None and self.memory.draft_ms_per_token is None and self.draft_probes < DRAFT_PROBES:
             self.draft_probes += 1
             return min(FIRST_GAMMA, max_gamma)  # a draft ruled out on its own word: measure it first
         # A probe measures α again; it is worth its round only while α might still be high
@@ -514,7 +513,6 @@ class Speculation:
         if ctx.stats.draft.calls > 2 and len(append) <= 1:
             self.estimates.record_draft(spent.compute_ms, len(tokens), spent.client_ms - spent.compute_ms)
             if self.estimates.draft_measured:
-                self.draft_measured = True
                 self.memory.draft_ms_per_token = self.estimates.draft_ms_per_token
         return Proposal(tokens, result.proposal_scores if params.do_sample else None, alternatives)
 
