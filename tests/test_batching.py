@@ -24,10 +24,11 @@ from specwire.orchestrator.generation import Decoder
 from specwire.orchestrator.models import LocalModel
 
 from specwire.engine import COST_POSITIONS, CausalLM, Engine, EngineLimits, SlotKV, kernels, scheduler
-from specwire.engine.scheduler import ForwardJob, compute_on, score_selection
+from specwire.engine.forward import FUSED_TOP_K, FusedSampling, fused_draw
+from specwire.engine.scheduler import FUSED_STEPS, ForwardJob, compute_on, score_selection
 from specwire.entropy_metrics import PositionMetrics, token_entropy
 from specwire.errors import ResourceExhausted
-from specwire.processing import ProcessingConfig
+from specwire.processing import ProcessingConfig, draw, sampling_probs
 from specwire.session import Extras, OpenRequest, ScoreKind, Scoring, StepRequest
 from tests.conftest import hf_model
 from tests.harness import Stack
@@ -391,7 +392,9 @@ def test_compiled_forward_serves_concurrent_sessions_like_the_eager_one(llama_dr
     def run(backend: Engine, index: int) -> tuple[list[int], torch.Tensor, list[float]]:
         session = backend.new_session()
         prompt = [(7 * index + 3 * i) % 500 + 1 for i in range(3 + 4 * index)]
-        processing = ProcessingConfig(repetition_penalty=1.3) if index == 2 else ProcessingConfig()
+        # Sampled at index 1 with warpers fused steps draw for (`fused_draw`), at 3 over whole rows.
+        processing = {1: ProcessingConfig(temperature=0.8, top_k=20, top_p=0.9),
+                      2: ProcessingConfig(repetition_penalty=1.3)}.get(index, ProcessingConfig())
         branches = 2 if index == 3 else 1
         opened = session.open(OpenRequest(prompt, processing, branches, Scoring(ScoreKind.LOGITS, positions=2)))
         assert opened.scores is not None and opened.scores.dense is not None
@@ -431,54 +434,96 @@ def test_compiled_forward_serves_concurrent_sessions_like_the_eager_one(llama_dr
     assert others_compiling == [[]] and not scheduler.compiling and compiled.info().forward_costs
     assert compiled.cache is not None and compiled.cache.usage().rows_in_use == 0
 
-    # Plain greedy rounds run FUSED_STEPS steps per compiled call (alone, and two sessions
-    # together): the same tokens as the eager engine's one step at a time.
-    fused_calls = 0
+    # Plain greedy and fusable sampled rounds run up to FUSED_STEPS steps per compiled call (alone,
+    # and two sessions together): the same tokens as the eager engine's one step at a time.
+    fused_calls: list[tuple[int, bool]] = []  # each compiled call's steps, and whether it drew
     forward_steps = compiled.scheduler._forward_steps
 
-    def counted(jobs: list[ForwardJob]) -> torch.Tensor:
-        nonlocal fused_calls
-        fused_calls += 1
-        return forward_steps(jobs)
+    def counted(jobs: list[ForwardJob], count: int = FUSED_STEPS, *args: Any) -> torch.Tensor:
+        fused_calls.append((count, any(job.sampling is not None for job in jobs)))
+        return forward_steps(jobs, count, *args)
 
     compiled.scheduler._forward_steps = counted  # type: ignore[method-assign]
+    warped = ProcessingConfig(temperature=0.8, top_k=20, top_p=0.9)
 
-    def greedy(backend: Engine, index: int) -> list[int]:
+    def decode(backend: Engine, index: int, warpers: ProcessingConfig | None = None) -> list[int]:
         session = backend.new_session()
-        session.open(OpenRequest([(11 * index + 5 * i) % 500 + 1 for i in range(4 + 3 * index)]))
+        session.open(OpenRequest([(11 * index + 5 * i) % 500 + 1 for i in range(4 + 3 * index)],
+                                 warpers or ProcessingConfig()))
         tokens: list[int] = []
-        for count in (13, 1, 9):  # runs of fused calls, a lone step, fused calls and a remainder
-            step = session.step(StepRequest(propose=count, propose_greedy=True, propose_ids_only=True))
+        # Fused calls of 4 steps, a lone step, and rounds ending in fused calls of 2 and of 3.
+        counts = (13, 6) if warpers else (13, 1, 9, 6, 3)
+        for seed, count in enumerate(counts):
+            step = session.step(StepRequest(propose=count, propose_greedy=warpers is None, propose_seed=seed,
+                                            propose_ids_only=True))
             assert step.proposed_ids is not None
             tokens += step.proposed_ids.reshape(-1).tolist()
         session.close()
         return tokens
 
-    assert greedy(compiled, 0) == greedy(eager, 0)
+    for _ in range(2):  # while the shorter and the sampled calls compile, then compiled
+        assert decode(compiled, 0) == decode(eager, 0)
+        assert decode(compiled, 3, warped) == decode(eager, 3, warped)
+        while not scheduler._requests.empty() or scheduler.compiling:
+            time.sleep(0.2)
     with ThreadPoolExecutor(max_workers=2) as pool:
-        pair = list(pool.map(lambda index: greedy(compiled, index), (1, 2)))
-    assert pair == [greedy(eager, 1), greedy(eager, 2)]
-    assert fused_calls >= 5  # the lone session's rounds alone make 5
+        pair = list(pool.map(lambda index: decode(compiled, index), (1, 2)))
+    assert pair == [decode(eager, 1), decode(eager, 2)]
+    assert {(4, False), (3, False), (2, False), (4, True), (2, True)} <= set(fused_calls)
     assert compiled.cache.usage().rows_in_use == 0
 
 
-def test_greedy_rounds_near_their_end_ride_along_fused_steps_of_longer_ones() -> None:
-    """Fused steps run when at least half of the rows have FUSED_STEPS forwards to go and every
-    job is a plain greedy step; never for a round of sampling, metrics or several new tokens,
-    nor with no full round to carry the others."""
-    fused = scheduler._fused
+def test_rounds_near_their_end_ride_along_fused_steps_of_longer_ones() -> None:
+    """Fused steps run when every job is a fusable step (plain greedy, or sampled with warpers
+    `fused_draw` applies), as many as half of the rows have to go, up to FUSED_STEPS and at least
+    2; never for a round of penalised sampling, metrics or several new tokens, nor with no such
+    half to carry the others."""
+    fused, most = scheduler._fused, scheduler.FUSED_STEPS
+    drawn = scheduler.JobSampling(ProcessingConfig(temperature=0.7, top_k=27, top_p=0.9), torch.rand(8, 1))
 
-    def job(left: int, rows: int = 1, tokens: int = 1, greedy: bool = True, metrics: bool = False) -> ForwardJob:
+    def job(left: int, rows: int = 1, tokens: int = 1, greedy: bool = True, metrics: bool = False,
+            sampling: scheduler.JobSampling | None = None) -> ForwardJob:
         return ForwardJob(list(range(rows)), torch.zeros((rows, tokens), dtype=torch.long), 4, 1, steps=left,
-                          pick=lambda logits: None, fuse_greedy=greedy, want_metrics=metrics)
+                          pick=lambda logits: None, fuse_greedy=greedy, want_metrics=metrics, sampling=sampling)
 
-    full, ending = job(scheduler.FUSED_STEPS), job(1)
-    assert fused([full]) and not fused([ending])
-    assert fused([full, ending]) and fused([full, job(2), job(3), job(8)])
-    assert not fused([full, job(1), job(2)])  # most rows near their end: one step each instead
-    assert fused([job(8, rows=2), job(1, rows=2)]) and not fused([job(8), job(1, rows=2)])
+    full, ending = job(most), job(1)
+    assert fused([full]) == most and fused([ending]) == 0
+    assert fused([job(3)]) == 3 and fused([job(2)]) == 2  # a round's last steps, fused too
+    assert fused([full, ending]) == most and fused([full, job(2), job(3), job(8)]) == most
+    assert fused([full, job(1), job(2)]) == 2  # most rows near their end: the steps half have left
+    assert fused([job(8, rows=2), job(1, rows=2)]) == most and fused([job(8), job(1, rows=2)]) == 0
+    assert fused([full, job(8, greedy=False, sampling=drawn)]) == most
     for other in (job(8, greedy=False), job(8, tokens=5), job(8, metrics=True)):
-        assert not fused([full, other])
+        assert fused([full, other]) == 0
+    assert not scheduler.JobSampling.fusable(ProcessingConfig(temperature=0.7))  # no top-k: the whole row
+    assert not scheduler.JobSampling.fusable(ProcessingConfig(top_k=27, repetition_penalty=1.2))
+
+
+def test_fused_draws_are_the_draws_sampling_makes_with_the_same_uniforms() -> None:
+    """`fused_draw` (in compiled fused steps) picks the token `draw(sampling_probs(...))` picks with
+    the same uniform, over warpers of every kind (temperature, top-k up to FUSED_TOP_K, top-p,
+    min-p); an argmax in its place would not."""
+    torch.manual_seed(0)
+    rows, vocab = 64, 1024
+    logits = torch.randn(rows, vocab) * torch.linspace(0.5, 6.0, rows)[:, None]  # flat to peaked
+    configs = [ProcessingConfig(temperature=t, top_k=k, top_p=p, min_p=m)
+               for t, k, p, m in zip(torch.rand(rows).mul(1.5).add(0.2).tolist(),
+                                     torch.randint(1, FUSED_TOP_K + 1, (rows,)).tolist(),
+                                     [1.0, 0.9, 0.5, 0.95] * (rows // 4), [0.0, 0.0, 0.1, 0.0] * (rows // 4),
+                                     strict=True)]
+    uniforms = torch.rand(rows, 3, dtype=torch.float64)
+    sampling = FusedSampling(
+        sampled=torch.tensor([True] * rows), temperature=torch.tensor([c.temperature for c in configs]),
+        top_k=torch.tensor([c.top_k for c in configs]), top_p=torch.tensor([c.top_p for c in configs]),
+        min_p=torch.tensor([c.min_p for c in configs]), uniforms=uniforms,
+    )
+    history = torch.zeros((1, 0), dtype=torch.long)
+    for step in range(3):
+        fused = fused_draw(logits, sampling, step)[:, 0]
+        drawn = torch.stack([draw(sampling_probs(logits[i : i + 1], history, c), uniform=uniforms[i, step])[0]
+                             for i, c in enumerate(configs)])
+        assert torch.equal(fused, drawn)
+        assert not torch.equal(logits.argmax(dim=-1), drawn)
 
 
 def _w8a8_product() -> None:

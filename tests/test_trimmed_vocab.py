@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from specwire.acceptance import accept_drafts
 from specwire.engine import CausalLM, Engine, EngineLimits
-from specwire.engine.forward import greedy_steps
+from specwire.engine.forward import decode_steps
 from specwire.engine.scheduler import ForwardJob
 from specwire.engine.trimmed_vocab import VOCAB_FILE, TrimmedVocab, expand, most_frequent
 from specwire.processing import ProcessingConfig
@@ -244,23 +244,28 @@ def test_a_trimmed_draft_proposes_from_its_own_ids_alike_fused_or_step_by_step_a
     trimmed_draft_dir: Path, char_tokenizer: Any
 ) -> None:
     """The scheduler computes a trimmed draft's K logits alone: its proposals pick among them, in
-    fused greedy steps (`greedy_steps`, run eagerly here in place of the compiled ones) and step by
-    step alike, with the same tokens and runners-up; a scored prompt still gets logits over every
-    target id, −inf outside the K, equal to the model's own."""
+    fused steps (`decode_steps`, run eagerly here in place of the compiled ones) and step by step
+    alike, with the same tokens and runners-up, and sampled, the same tokens and q; a scored
+    prompt still gets logits over every target id, −inf outside the K, equal to the model's own."""
     prompt = char_tokenizer(PROMPT).input_ids
     vocab = TrimmedVocab.load(trimmed_draft_dir)
     assert vocab is not None
 
-    def proposals(fused: bool) -> tuple[list[list[int]], set[int], torch.Tensor]:
+    warped = ProcessingConfig(temperature=0.8, top_k=12, top_p=0.9)
+    sampled_fused: set[bool] = set()  # fused calls of greedy rounds, of sampled ones
+
+    def proposals(fused: bool) -> tuple[list[list[int]], set[int], torch.Tensor, list[torch.Tensor]]:
         engine = Engine(CausalLM.load(str(trimmed_draft_dir), device="cpu", dtype="float32"), "draft",
                         EngineLimits(max_batch_rows=2, max_cache_len=64, compile="off"))
         scheduler = engine.scheduler
         assert scheduler is not None
         widths: set[int] = set()
+        sampled_fused.clear()
         run_steps, run_one = scheduler._forward_steps, scheduler._forward
 
         def steps_recorded(jobs: list[ForwardJob], *args: Any) -> torch.Tensor:
             fed = run_steps(jobs, *args)
+            sampled_fused.add(any(job.sampling is not None for job in jobs))
             widths.update(int(cast(torch.Tensor, job.logits).shape[-1]) for job in jobs if job.pick)
             return fed
 
@@ -271,8 +276,9 @@ def test_a_trimmed_draft_proposes_from_its_own_ids_alike_fused_or_step_by_step_a
 
         scheduler._forward_steps, scheduler._forward = steps_recorded, one_recorded  # type: ignore[method-assign]
         if fused:
-            scheduler._compiled_steps = greedy_steps
-            scheduler._warm_steps |= {(True, True), (True, False)}
+            scheduler._compiled_steps = decode_steps
+            scheduler._warm_steps |= {(True, contiguous, count, sampled) for contiguous in (True, False)
+                                      for count in (2, 3, 4) for sampled in (True, False)}
         session = engine.new_session()
         opened = session.open(OpenRequest(prompt, scoring=Scoring(ScoreKind.LOGITS, positions=2)))
         assert opened.scores is not None and opened.scores.dense is not None
@@ -283,11 +289,23 @@ def test_a_trimmed_draft_proposes_from_its_own_ids_alike_fused_or_step_by_step_a
             assert step.proposed_ids is not None and step.alternative_ids is not None
             out += [step.proposed_ids.reshape(-1).tolist(), step.alternative_ids.reshape(-1).tolist()]
         session.close()
-        return out, widths, opened.scores.dense
+        session = engine.new_session()
+        session.open(OpenRequest(prompt, warped))
+        qs: list[torch.Tensor] = []
+        for count, seed in ((6, 1), (3, 2), (9, 3)):
+            step = session.step(StepRequest(propose=count, propose_seed=seed))
+            assert step.proposed_ids is not None and step.proposal_scores is not None
+            out.append(step.proposed_ids.reshape(-1).tolist())
+            qs.append(step.proposal_scores.to_dense(len(char_tokenizer), 0.0))
+        session.close()
+        return out, widths, opened.scores.dense, qs
 
-    fused, fused_widths, scored = proposals(True)
-    single, single_widths, _ = proposals(False)
+    fused, fused_widths, scored, fused_q = proposals(True)
+    assert sampled_fused == {False, True}
+    single, single_widths, _, single_q = proposals(False)
     assert fused == single
+    for q, alone in zip(fused_q, single_q, strict=True):
+        torch.testing.assert_close(q, alone, atol=1e-6, rtol=1e-6)
     assert fused_widths == single_widths == {len(vocab.ids)}  # the draft's K ids, not the target's
     assert {token for run in fused for token in run} <= set(vocab.ids)
     lm = CausalLM.load(str(trimmed_draft_dir), device="cpu", dtype="float32")

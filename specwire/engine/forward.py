@@ -34,6 +34,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from specwire.engine import kernels
 from specwire.engine.cache import CacheShape, SlotCache
 from specwire.entropy_metrics import PositionMetrics, attention_scores, attention_stats, token_entropy
+from specwire.processing import NEG_INF
 
 
 @dataclass
@@ -72,6 +73,27 @@ class ForwardBatch:
     packed: torch.Tensor | None = None
     packed_rows: torch.Tensor | None = None
     packed_slots: torch.Tensor | None = None
+    # Fused decode steps (`decode_steps`) of sampled rounds: how each row draws its next token.
+    sampling: FusedSampling | None = None
+
+
+# Fused sampled steps draw among each row's FUSED_TOP_K largest logits, so a sampled round fuses
+# only where its top-k is at most this (the orchestrator's drafts sample at top-k ≤ 128).
+FUSED_TOP_K = 128
+
+
+@dataclass
+class FusedSampling:
+    """Per row of fused decode steps: drawn or argmax, its warpers (temperature → top-k → top-p →
+    min-p, `specwire.processing`) and the uniform of each step's draw, the one its round's `pick`
+    draws with too (`specwire.processing.draw`)."""
+
+    sampled: torch.Tensor  # [B] bool; False: argmax
+    temperature: torch.Tensor  # [B] float32, > 0
+    top_k: torch.Tensor  # [B] long, in [1, FUSED_TOP_K]
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    uniforms: torch.Tensor  # [B, steps] float64
 
 
 @dataclass
@@ -530,12 +552,13 @@ def lean_model(model: Any, generic: bool = True) -> LeanModel | None:
     return None
 
 
-def greedy_steps(model: LeanModel, cache: SlotCache, batch: ForwardBatch, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`steps` one-token decode forwards of the batch's rows in one call, each fed the argmax of
-    the one before: (tokens [B, steps], logits [B, steps, vocab] float32; with `batch.narrow`,
-    over the trimmed head's K ids). Compiled, a call pays the compiled code's fixed per-call cost
-    once for all its steps. `batch`: one new token per row (no padding), the logits of every row,
-    causal over each row's own slots."""
+def decode_steps(model: LeanModel, cache: SlotCache, batch: ForwardBatch, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`steps` one-token decode forwards of the batch's rows in one call, each fed the token chosen
+    from the one before: its argmax, or with `batch.sampling` a sampled row's draw (`fused_draw`).
+    Returns (tokens [B, steps], logits [B, steps, vocab] float32; with `batch.narrow`, over the
+    trimmed head's K ids). Compiled, a call pays the compiled code's fixed per-call cost once for
+    all its steps. `batch`: one new token per row (no padding), the logits of every row, causal
+    over each row's own slots."""
     ids, slots, positions = batch.input_ids, batch.slots, batch.positions
     length = batch.key_mask.shape[-1]
     tokens, logits = [], []
@@ -552,8 +575,36 @@ def greedy_steps(model: LeanModel, cache: SlotCache, batch: ForwardBatch, steps:
         out = model.forward(cache, step_batch)
         assert out.logits is not None
         ids = out.logits.argmax(dim=-1, keepdim=True)  # [B, 1]
+        if batch.sampling is not None:
+            drawn = fused_draw(out.logits, batch.sampling, step)
+            ids = torch.where(batch.sampling.sampled[:, None], drawn, ids)
         if batch.narrow:
             ids = model.lm_head.target_ids[ids]  # type: ignore[attr-defined]  # draft column → target id
         tokens.append(ids)
         logits.append(out.logits)
     return torch.cat(tokens, dim=1), torch.stack(logits, dim=1)
+
+
+def fused_draw(logits: torch.Tensor, rows: FusedSampling, step: int) -> torch.Tensor:
+    """Each row's draw at `step` from softmax(warp(logits)) over its FUSED_TOP_K largest logits:
+    [B, 1] columns. The inverse transform runs over the survivors in column order with the
+    step's uniform, as `specwire.processing.draw` does over the whole row, so it draws what the
+    round's `pick` draws unless rounding moves a boundary past the uniform; `pick` decides, and
+    the round goes on unfused from a difference. Nucleus (Holtzman et al. 2020) in descending
+    order: a token stays while the mass above it is below p."""
+    width = min(FUSED_TOP_K, logits.shape[-1])
+    values, columns = logits.float().topk(width, dim=-1)  # [B, width], descending
+    rank = torch.arange(width, device=logits.device)
+    scores = (values / rows.temperature[:, None]).masked_fill(rank >= rows.top_k[:, None], NEG_INF)
+    probs = scores.softmax(dim=-1)
+    above = probs.cumsum(dim=-1) - probs
+    nucleus = (above >= rows.top_p[:, None]) & (rows.top_p[:, None] < 1.0) & (rank > 0)
+    scores = scores.masked_fill(nucleus, NEG_INF)
+    probs = scores.softmax(dim=-1)
+    scores = scores.masked_fill((probs < rows.min_p[:, None] * probs[:, :1]) & (rank > 0), NEG_INF)
+    probs = scores.softmax(dim=-1)
+    columns, order = columns.sort(dim=-1)  # column order, as `draw` runs over a row
+    cumulative = probs.gather(-1, order).double().cumsum(dim=-1)  # [B, width]
+    uniform = rows.uniforms[:, step : step + 1] * cumulative[:, -1:]
+    chosen = torch.searchsorted(cumulative, uniform, right=True).clamp(max=width - 1)
+    return columns.gather(-1, chosen)

@@ -41,24 +41,48 @@ import torch
 from specwire.engine import kernels
 from specwire.engine.batch_costs import BatchCosts
 from specwire.engine.cache import SlotCache
-from specwire.engine.forward import ForwardBatch, ForwardOutput, LeanModel, greedy_steps, row_keys
+from specwire.engine.forward import (
+    FUSED_TOP_K,
+    ForwardBatch,
+    ForwardOutput,
+    FusedSampling,
+    LeanModel,
+    decode_steps,
+    row_keys,
+)
 from specwire.engine.trimmed_vocab import TargetVocabHead
 from specwire.entropy_metrics import AttentionStats, PositionMetrics
 from specwire.errors import ResourceExhausted
+from specwire.processing import ProcessingConfig
 
 log = logging.getLogger("specwire")
 
 # Jobs longer than this (prefills) run in a forward of their own, chunked to this size, so a
 # long prompt neither pads the decoders' batch nor holds them up for one long call.
 PREFILL_CHUNK = 64
-# Compiled CPU engines run this many greedy decode steps in one call when every job of a
-# forward is a plain greedy round (`ForwardJob.fuse_greedy`) and at least half of its rows have
-# that many steps left (`_fused`).
+# Compiled CPU engines run up to this many decode steps in one call when every job of a forward
+# is a plain greedy round (`ForwardJob.fuse_greedy`) or a sampled one fused steps can draw for
+# (`ForwardJob.sampling`), as many as at least half of its rows have left, 2 at the least (`_fused`).
 FUSED_STEPS = 4
 # The forward thread exits after this long without a job, and a new one starts with the next.
 IDLE_EXIT_S = 5.0
 T = TypeVar("T")
 _caller = threading.local()  # `single`: this thread computes on one thread
+
+
+@dataclass(frozen=True)
+class JobSampling:
+    """A sampled decode round's warpers and the uniform of each of its draws, [steps, rows]
+    float64: `pick` draws step i with `uniforms[i]`, and fused steps with the same."""
+
+    config: ProcessingConfig
+    uniforms: torch.Tensor
+
+    @staticmethod
+    def fusable(config: ProcessingConfig) -> bool:
+        """Warpers `fused_draw` applies: no penalties, top-k in [1, FUSED_TOP_K], one token kept."""
+        return (not config.has_penalties and 0 < config.top_k <= FUSED_TOP_K and config.temperature > 0
+                and config.min_tokens_to_keep == 1)
 
 
 @dataclass
@@ -81,10 +105,14 @@ class ForwardJob:
     steps: int = 1
     pick: Callable[[torch.Tensor], torch.Tensor | None] | None = None
     # `pick` takes the argmax of the raw logits (greedy, no penalties, no confidence gate), so
-    # the scheduler may run FUSED_STEPS steps in one compiled call, each fed the argmax of the
-    # one before; `pick` still chooses every token, and where it differs (a tie broken
+    # the scheduler may run up to FUSED_STEPS steps in one compiled call, each fed the argmax of
+    # the one before; `pick` still chooses every token, and where it differs (a tie broken
     # otherwise) the round goes on unfused from there.
     fuse_greedy: bool = False
+    # A sampled round fused steps can draw for (no penalties, no confidence gate, top-k in
+    # [1, FUSED_TOP_K]): fed each step's draw with the uniform `pick` takes for it (`fused_draw`),
+    # and `pick` still chooses every token, as for `fuse_greedy`.
+    sampling: JobSampling | None = None
     # `pick` takes logits over a trimmed draft's K ids alone: a scheduler whose model has such a
     # head computes those (`ForwardBatch.narrow`) and scatters them into the target's vocabulary
     # only for the jobs that do not take them.
@@ -172,7 +200,7 @@ class Scheduler:
         self._compiled_steps: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self.compile_s = 0.0  # how long `compile` took for the common shapes
         self._warm: set[tuple[bool, ...]] = set()  # `shape_key`s the compiled forward has run
-        self._warm_steps: set[tuple[bool, bool]] = set()  # `steps_key`s of the fused greedy steps
+        self._warm_steps: set[tuple[bool, bool, int, bool]] = set()  # `steps_key`s of the fused steps compiled
         self._ready = False  # the common shapes are compiled
         self._background = False  # a compile thread takes the shapes serving meets
         self._compiler: threading.Thread | None = None  # that thread, while it has shapes to compile
@@ -189,7 +217,7 @@ class Scheduler:
         `on_ready` runs once the compiler is idle, on a thread of its own (`_when_gone`); in the
         foreground, once the common shapes are compiled (`compiled`). `short_steps`: the
         model's decode step is short enough for a call's fixed cost to matter, so compile the
-        fused greedy steps (`greedy_steps`) and a C++ kernel wrapper; both cut that cost, and
+        fused decode steps (`decode_steps`) and a C++ kernel wrapper; both cut that cost, and
         both take minutes more to compile for a long model. Returns False when compilation
         failed (always True in the background, which reports through the log).
 
@@ -221,7 +249,7 @@ class Scheduler:
                 options.update(dict.fromkeys(checks_off, False))
                 options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
                 forward = torch.compile(self.model.forward, dynamic=True, options=options)
-                steps = torch.compile(greedy_steps, dynamic=True, options=options) if short_steps else None
+                steps = torch.compile(decode_steps, dynamic=True, options=options) if short_steps else None
         except Exception as error:  # a compiler that cannot even start: serve eagerly
             log.warning("torch.compile failed, serving eagerly: %s: %s", type(error).__name__, error)
             return False
@@ -254,9 +282,9 @@ class Scheduler:
         every token and at its last few). CUDA: decode steps at 1, 2, 4 and 8 rows."""
         if not cpu:
             return [Shape("gathered" if rows > 1 else "one", rows, 1, 1) for rows in (1, 2, 4, 8)]
-        return [Shape("one", 1, 1, 1), Shape("one", 1, 1, 1, steps=True), Shape("one", 1, 3, 1), Shape("one", 1, 3, 3),
-                Shape("gathered", 3, 1, 1), Shape("gathered", 3, 1, 1, steps=True), Shape("gathered", 3, 3, 1),
-                Shape("run", 3, 1, 1), Shape("run", 3, 1, 1, steps=True), Shape("run", 3, 3, 1),
+        return [Shape("one", 1, 1, 1), Shape("one", 1, 1, 1, steps=FUSED_STEPS), Shape("one", 1, 3, 1), Shape("one", 1, 3, 3),
+                Shape("gathered", 3, 1, 1), Shape("gathered", 3, 1, 1, steps=FUSED_STEPS), Shape("gathered", 3, 3, 1),
+                Shape("run", 3, 1, 1), Shape("run", 3, 1, 1, steps=FUSED_STEPS), Shape("run", 3, 3, 1),
                 Shape("gathered", 3, 3, 3, packed=True), Shape("run", 3, 3, 3, packed=True),
                 Shape("one", 1, 1, 1, metrics=True), Shape("one", 1, 3, 1, metrics=True),
                 Shape("one", 1, 3, 3, metrics=True), Shape("one", 1, 4, 3, metrics=True)]
@@ -351,15 +379,18 @@ class Scheduler:
                         ForwardJob(rows[1:], job.tokens[1:, :1], 2, 1, want_metrics=shape.metrics)]
             if shape.steps:
                 assert self._compiled_steps is not None
-                self._forward_steps([job], self._compiled_steps)
-                self._warm_steps.add(steps_key(len(rows), bool(run) or len(rows) == 1))
+                if shape.sampled:
+                    uniforms = torch.full((shape.steps, len(rows)), 0.5, dtype=torch.float64)
+                    job.sampling = JobSampling(ProcessingConfig(temperature=0.7, top_k=8, top_p=0.9), uniforms)
+                self._forward_steps([job], shape.steps, self._compiled_steps)
+                self._warm_steps.add(steps_key(len(rows), bool(run) or len(rows) == 1, shape.steps, shape.sampled))
             else:
                 self._forward(jobs, self._compiled, warm=True)
         finally:
             if run:
                 self.cache.release(run)
 
-    def _request(self, jobs: list[ForwardJob], batch: ForwardBatch, steps: bool = False) -> None:
+    def _request(self, jobs: list[ForwardJob], batch: ForwardBatch, steps: int = 0, sampled: bool = False) -> None:
         """A shape serving met that is not compiled: compile it in the background."""
         contiguous = batch.contiguous_from is not None
         rows = int(batch.input_ids.shape[0])
@@ -369,7 +400,8 @@ class Scheduler:
         tokens = 1 if width == 1 else min(width, 4)
         keep = 1 if picked <= rows else tokens if picked == rows * width else 2  # the last, all, or some
         metrics = any(job.want_metrics for job in jobs)
-        self._request_shape(Shape(kind, 1 if rows == 1 else 3, tokens, keep, metrics, steps, batch.packed is not None))
+        self._request_shape(Shape(kind, 1 if rows == 1 else 3, tokens, keep, metrics, steps, batch.packed is not None,
+                                  sampled))
 
     def _request_shape(self, shape: Shape) -> None:
         with self._mutex:
@@ -606,18 +638,19 @@ class Scheduler:
 
     def _execute(self, jobs: list[ForwardJob]) -> None:
         started = time.perf_counter()
-        fused = self._compiled_steps is not None and _fused(jobs) and self._steps_warm(jobs)
+        count = _fused(jobs) if self._compiled_steps is not None else 0
+        fused = count > 1 and self._steps_warm(jobs, count)
         fed = torch.empty(0)
         width = 1
         try:
             if fused:
-                fed = self._forward_steps(jobs)
+                fed = self._forward_steps(jobs, count)
             else:
                 width = self._forward(jobs)
         except BaseException as error:  # every waiter must wake, with the reason
             for job in jobs:
                 job.error = error
-        forwards = FUSED_STEPS if fused else 1
+        forwards = count if fused else 1
         self.stats.forwards += forwards
         rows = sum(len(job.rows) for job in jobs)
         self.stats.rows += rows * forwards
@@ -657,17 +690,17 @@ class Scheduler:
                 self._awaited.add(owner)
 
     def _next_steps(self, job: ForwardJob, fed: torch.Tensor) -> bool:
-        """After fused steps (`fed`: the tokens [rows, FUSED_STEPS] the forward chose): the
-        round's `pick` chooses each step's tokens in turn, up to where it differs from what the
-        forward fed itself; True when the round goes on (unfused, from a difference)."""
-        assert job.logits is not None  # [rows, FUSED_STEPS, vocab or a trimmed draft's K]
-        logits = job.logits
+        """After fused steps (`fed`: the tokens [rows, steps] the forward chose): the round's
+        `pick` chooses each step's tokens in turn, up to where it differs from what the forward
+        fed itself; True when the round goes on (unfused, from a difference)."""
+        assert job.logits is not None  # [rows, steps, vocab or a trimmed draft's K]
+        logits, steps = job.logits, int(fed.shape[1])
         going_on = True
-        for step in range(FUSED_STEPS):
+        for step in range(steps):
             job.logits = logits[:, step : step + 1]
             job.forwards += 1
             going_on = self._next_step(job)
-            if not going_on or (step + 1 < FUSED_STEPS and not torch.equal(job.tokens, fed[:, step : step + 1])):
+            if not going_on or (step + 1 < steps and not torch.equal(job.tokens, fed[:, step : step + 1])):
                 break
         for row in job.rows:  # cached: the tokens forwarded and kept (the last chosen is not yet)
             self.cache.lengths[row] = job.start + (0 if going_on else 1)
@@ -688,15 +721,16 @@ class Scheduler:
         job.tokens = tokens
         return True
 
-    def _steps_warm(self, jobs: list[ForwardJob]) -> bool:
-        """Fused greedy steps of these jobs are compiled (else they are asked for, and the round
+    def _steps_warm(self, jobs: list[ForwardJob], count: int) -> bool:
+        """`count` fused steps of these jobs are compiled (else they are asked for, and the round
         runs step by step meanwhile)."""
         rows = [row for job in jobs for row in job.rows]
-        key = steps_key(len(rows), rows == list(range(rows[0], rows[0] + len(rows))))
+        sampled = any(job.sampling is not None for job in jobs)
+        key = steps_key(len(rows), rows == list(range(rows[0], rows[0] + len(rows))), count, sampled)
         if key in self._warm_steps:
             return True
         if self._background:
-            self._request(jobs, self._build(jobs, steps=FUSED_STEPS), steps=True)
+            self._request(jobs, self._build(jobs, steps=count), steps=count, sampled=sampled)
         elif self._compiled_steps is not None:  # compiled in place, as `compile` without background
             self._warm_steps.add(key)
             return True
@@ -719,18 +753,20 @@ class Scheduler:
         return self._trimmed_head.scatter(logits)
 
     @torch.inference_mode()
-    def _forward_steps(self, jobs: list[ForwardJob], steps: Callable[..., Any] | None = None) -> torch.Tensor:
-        """FUSED_STEPS greedy steps of plain greedy rounds (`_fused`) in one compiled call
-        (`steps`, default the installed one): each job's logits [rows, FUSED_STEPS, vocab], or
-        over a trimmed draft's K ids (its rounds pick among those alone); returns the tokens the
-        forward fed itself."""
+    def _forward_steps(self, jobs: list[ForwardJob], count: int = FUSED_STEPS,
+                       steps: Callable[..., Any] | None = None) -> torch.Tensor:
+        """`count` decode steps of fusable rounds (`_fused`) in one compiled call (`steps`,
+        default the installed one): each job's logits [rows, count, vocab], or over a trimmed
+        draft's K ids (its rounds pick among those alone); returns the tokens the forward fed
+        itself."""
         steps = steps or self._compiled_steps
         assert steps is not None
-        batch = self._build(jobs, steps=FUSED_STEPS)
+        batch = self._build(jobs, steps=count)
         batch.logit_index = logit_index(jobs, 1, self.device)
         batch.dense = False  # guarded on (a mask or none): one graph
+        batch.sampling = fused_sampling(jobs, count, self.device)
         _own_symbols(batch)
-        fed, logits = steps(self.model, self.cache, batch, FUSED_STEPS)
+        fed, logits = steps(self.model, self.cache, batch, count)
         first = 0
         for job in jobs:
             job.logits = self._for_job(job, logits[first : first + len(job.rows)])
@@ -806,16 +842,17 @@ class Scheduler:
 class Shape:
     """A forward's shape as compiled code specialises it: `kind` of rows ("one", a "run" of
     consecutive rows read in place, or "gathered" rows), new tokens per row (the first row's,
-    where the others have one: `packed`), logits kept per row, entropix's metrics, fused greedy
-    steps."""
+    where the others have one: `packed`), logits kept per row, entropix's metrics, fused decode
+    steps (how many; 0: one forward), sampled or greedy."""
 
     kind: str
     rows: int
     tokens: int
     keep: int
     metrics: bool = False
-    steps: bool = False
+    steps: int = 0
     packed: bool = False
+    sampled: bool = False
 
 
 _SCHEDULERS: weakref.WeakSet[Scheduler] = weakref.WeakSet()
@@ -927,22 +964,61 @@ def shape_key(batch: ForwardBatch) -> tuple[bool, ...]:
     return key
 
 
-def steps_key(rows: int, contiguous: bool) -> tuple[bool, bool]:
-    return rows == 1, contiguous
+def steps_key(rows: int, contiguous: bool, count: int = FUSED_STEPS, sampled: bool = False) -> tuple[bool, bool, int, bool]:
+    return rows == 1, contiguous, count, sampled
 
 
-def _fused(jobs: list[ForwardJob]) -> bool:
-    """Whether `jobs` run FUSED_STEPS steps in one call: each a plain greedy round at one new
-    token, at least half of the rows with FUSED_STEPS or more forwards to go. The others ride
-    along and keep their first steps (`_next_steps`): the later ones write keys past their rows'
-    lengths, where padding's go, and cost a few rows of a batch where a step at every round's
-    end would otherwise be a forward of its own, unfused, for every row (8 streams were fused
-    in few forwards, since some round was nearly always ending)."""
-    if not all(job.fuse_greedy and job.pick is not None and job.new_tokens == 1 and not job.want_metrics
-               and not job.want_hidden for job in jobs):
-        return False
-    full = sum(len(job.rows) for job in jobs if job.steps - job.forwards >= FUSED_STEPS)
-    return full > 0 and 2 * full >= sum(len(job.rows) for job in jobs)
+def _fused(jobs: list[ForwardJob]) -> int:
+    """How many steps `jobs` run in one call, 0 for one forward: each a fusable round (greedy or
+    sampled) at one new token; the most steps, up to FUSED_STEPS and at least 2, that half of the
+    rows have to go. The others ride along and keep their first steps (`_next_steps`): the later
+    ones write keys past their rows' lengths, where padding's go, and cost a few rows of a batch
+    where a step at every round's end would otherwise be a forward of its own, unfused, for
+    every row (8 streams were fused in few forwards, since some round was nearly always ending)."""
+    if not all((job.fuse_greedy or job.sampling is not None) and job.pick is not None and job.new_tokens == 1
+               and not job.want_metrics and not job.want_hidden for job in jobs):
+        return 0
+    rows = sum(len(job.rows) for job in jobs)
+    for count in range(FUSED_STEPS, 1, -1):
+        full = sum(len(job.rows) for job in jobs if job.steps - job.forwards >= count)
+        if full > 0 and 2 * full >= rows:
+            return count
+    return 0
+
+
+def fused_sampling(jobs: list[ForwardJob], count: int, device: torch.device) -> FusedSampling | None:
+    """The rows' draws for `count` fused steps (`decode_steps`), None where every job is greedy.
+    A sampled job's rows take the uniforms of their next `count` draws; steps past a round's end
+    and greedy rows take 0.5 (unused)."""
+    if all(job.sampling is None for job in jobs):
+        return None
+    sampled: list[bool] = []
+    temperature: list[float] = []
+    top_k: list[int] = []
+    top_p: list[float] = []
+    min_p: list[float] = []
+    uniforms = []
+    for job in jobs:
+        rows = len(job.rows)
+        drawn = torch.full((rows, count), 0.5, dtype=torch.float64)
+        config = ProcessingConfig(top_k=1) if job.sampling is None else job.sampling.config
+        if job.sampling is not None:
+            ahead = job.sampling.uniforms[job.forwards : job.forwards + count].T  # [rows, ≤ count]
+            drawn[:, : ahead.shape[1]] = ahead
+        sampled += [job.sampling is not None] * rows
+        temperature += [config.temperature] * rows
+        top_k += [config.top_k] * rows
+        top_p += [config.top_p] * rows
+        min_p += [config.min_p] * rows
+        uniforms.append(drawn)
+    return FusedSampling(
+        sampled=torch.tensor(sampled, device=device),
+        temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+        top_k=torch.tensor(top_k, dtype=torch.long, device=device),
+        top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+        min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+        uniforms=torch.cat(uniforms).to(device),
+    )
 
 
 def _join_metrics(parts: list[PositionMetrics]) -> PositionMetrics:

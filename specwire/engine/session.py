@@ -25,7 +25,7 @@ from specwire.acceptance import accept_draft, accept_tree_greedy, accept_tree_sa
 from specwire.engine.batch_costs import CURVE_POSITIONS
 from specwire.engine.cache import SlotCache
 from specwire.engine.model import CausalLM
-from specwire.engine.scheduler import ForwardJob, Scheduler, synchronize
+from specwire.engine.scheduler import ForwardJob, JobSampling, Scheduler, synchronize
 from specwire.entropy_metrics import PositionMetrics, token_entropy
 from specwire.errors import InvalidArgument, StatusError, check_token_ids
 from specwire.feature_drafter import FeatureDrafter, FeatureDrafterState
@@ -128,13 +128,14 @@ class SessionKV(Protocol):
 
     def decode(
         self, tokens: torch.Tensor, start: int, steps: int, pick: Callable[[torch.Tensor], torch.Tensor | None],
-        plain_greedy: bool = False, narrow: bool = False,
+        plain_greedy: bool = False, narrow: bool = False, sampling: JobSampling | None = None,
     ) -> int:
         """A decode round: forward tokens[:, start:], then up to `steps` − 1 times the tokens
         `pick(logits [branches, vocab] of the last token)` returns, until it returns None.
         Returns the forwards run. `pick` sees the logits of each forward in turn.
         `plain_greedy`: `pick` takes the argmax of the raw logits (`ForwardJob.fuse_greedy`).
-        `narrow`: `pick` also takes logits over a trimmed draft's K ids alone (`ForwardJob.narrow`)."""
+        `narrow`: `pick` also takes logits over a trimmed draft's K ids alone (`ForwardJob.narrow`).
+        `sampling`: `pick` draws with these warpers and uniforms (`ForwardJob.sampling`)."""
         ...
 
     def forward_tree(
@@ -212,7 +213,7 @@ class DynamicKV:
 
     def decode(
         self, tokens: torch.Tensor, start: int, steps: int, pick: Callable[[torch.Tensor], torch.Tensor | None],
-        plain_greedy: bool = False, narrow: bool = False,
+        plain_greedy: bool = False, narrow: bool = False, sampling: JobSampling | None = None,
     ) -> int:
         for step in range(steps):
             logits, _ = self.forward(tokens, start, 1)
@@ -377,12 +378,12 @@ class SlotKV:
 
     def decode(
         self, tokens: torch.Tensor, start: int, steps: int, pick: Callable[[torch.Tensor], torch.Tensor | None],
-        plain_greedy: bool = False, narrow: bool = False,
+        plain_greedy: bool = False, narrow: bool = False, sampling: JobSampling | None = None,
     ) -> int:
         """One scheduler job for the whole round (`ForwardJob.steps`): batched step by step with
         the other sessions' forwards, with no wake-up of this thread between steps."""
         job = self.run(ForwardJob(list(self.rows), tokens[:, start:], start, 1, steps=steps, pick=pick,
-                                  fuse_greedy=plain_greedy, narrow=narrow))
+                                  fuse_greedy=plain_greedy, narrow=narrow, sampling=sampling))
         return job.forwards
 
     def forward_tree(
@@ -983,10 +984,12 @@ class EngineSession:
         The drawn tokens' distributions come back too unless `greedy` or `ids_only`; with
         `alternatives` (greedy), each position's next-best ids [branches, n, k]."""
         self.last_hidden = None
-        generator = None
-        if not greedy:
+        uniforms = torch.empty(0)
+        if not greedy:  # one uniform a draw, drawn ahead: fused steps draw with them too
             generator = torch.Generator(device=self.lm.device)
             generator.manual_seed(seed)
+            uniforms = torch.rand((count, self.num_branches), generator=generator, dtype=torch.float64,
+                                  device=self.lm.device).cpu()
         drawn: list[torch.Tensor] = []
         dists: list[torch.Tensor] = []
         runners_up: list[torch.Tensor] = []
@@ -1008,7 +1011,7 @@ class EngineSession:
                     runners_up.append((others if columns is None else columns[others]).cpu())
             else:
                 probs = sampling_probs(logits, history, self.processing)
-                token = draw(probs, generator).unsqueeze(-1)
+                token = draw(probs, uniform=uniforms[len(drawn)]).unsqueeze(-1)
                 confidence = probs.amax(dim=-1).min() if gated else None
                 if not ids_only:
                     dists.append(probs)
@@ -1025,7 +1028,10 @@ class EngineSession:
             return drawn[-1]
 
         plain = greedy and not self.processing.has_penalties and min_confidence <= 0
-        self.forward_calls += self.kv.decode(self.tokens, self._uncached_start(1), count, pick, plain, columns is not None)
+        fusable = not greedy and min_confidence <= 0 and JobSampling.fusable(self.processing)
+        sampling = JobSampling(self.processing, uniforms) if fusable else None
+        self.forward_calls += self.kv.decode(self.tokens, self._uncached_start(1), count, pick, plain,
+                                             columns is not None, sampling)
         proposed = torch.cat(drawn, dim=1).to(torch.int32)
         if greedy or ids_only:
             others = torch.stack(runners_up, dim=1).to(torch.int32) if runners_up else None  # [branches, n, k]
