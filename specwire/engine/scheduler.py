@@ -274,15 +274,20 @@ class Scheduler:
             self._compiler.start()
 
     def _common_shapes(self, cpu: bool) -> list[Shape]:
-        """The shapes compiled first, most used first. CPU: one row at a decode step, one session's
-        fused greedy steps, a verification scored at its last or every token, gathered and
-        consecutive rows (other sessions' decode steps and verifications, and both packed: rows
-        of different widths, `ForwardBatch.packed`), entropix's steps with
+        """The shapes compiled first, most used first. CPU: one row at a decode step, one
+        session's fused steps (greedy and sampled, of each count), a verification scored at its
+        last or every token, gathered and consecutive rows (other sessions' decode steps and
+        verifications, and both packed: rows of different widths, `ForwardBatch.packed`),
+        entropix's steps with
         its metrics (a decode step, a prompt scored at its last token, a verification scored at
         every token and at its last few). CUDA: decode steps at 1, 2, 4 and 8 rows."""
         if not cpu:
             return [Shape("gathered" if rows > 1 else "one", rows, 1, 1) for rows in (1, 2, 4, 8)]
-        return [Shape("one", 1, 1, 1), Shape("one", 1, 1, 1, steps=FUSED_STEPS), Shape("one", 1, 3, 1), Shape("one", 1, 3, 3),
+        # One session's shorter and sampled fused calls too: met at once by speculative drafts,
+        # whose compiling when met took the CPU from a bench's timed rounds.
+        fused = [Shape("one", 1, 1, 1, steps=count, sampled=sampled) for sampled in (False, True)
+                 for count in range(FUSED_STEPS, 1, -1)]
+        return [Shape("one", 1, 1, 1), *fused, Shape("one", 1, 3, 1), Shape("one", 1, 3, 3),
                 Shape("gathered", 3, 1, 1), Shape("gathered", 3, 1, 1, steps=FUSED_STEPS), Shape("gathered", 3, 3, 1),
                 Shape("run", 3, 1, 1), Shape("run", 3, 1, 1, steps=FUSED_STEPS), Shape("run", 3, 3, 1),
                 Shape("gathered", 3, 3, 3, packed=True), Shape("run", 3, 3, 3, packed=True),
