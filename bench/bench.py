@@ -1,7 +1,8 @@
 """`specwire bench`: specwire against Hugging Face transformers, same prompts, models and settings.
 
-One invocation measures, side by side and interleaved across repeats (each repeat runs the rows
-in a freshly shuffled order, so drifting machine load spreads over all of them):
+One invocation measures, side by side and interleaved (each repeat runs every row on a prompt
+before the next prompt, in a freshly shuffled order turned by one each prompt, so drifting
+machine load falls on the rows a ratio pairs alike):
 
   (a) `hf_target`                  transformers `generate`, target only, in-process;
   (b) `hf_assisted_default`        assisted generation with `assistant_model` and the assistant's
@@ -969,16 +970,20 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
                 order = [spec.name for spec in specs]
                 rng.shuffle(order)
                 order_log.append(order)
-                for name in order:
-                    result = results[name]
-                    run: list[Sample] = []
-                    for ids in prompt_ids:
+                runs: dict[str, list[Sample]] = {name: [] for name in order}
+                # Prompt by prompt, every row, the order turned by one a prompt: a row's paired
+                # figures are seconds apart, not a whole row's run (a noisy host moved by half in minutes).
+                for index, ids in enumerate(prompt_ids):
+                    turn = index % len(order)
+                    for name in order[turn:] + order[:turn]:
+                        result = results[name]
                         sample = None if result.error else attempt(result, ids, config.max_new_tokens)
                         if sample is not None:
-                            run.append(sample)
+                            runs[name].append(sample)
                         bar.update()
-                    if not result.error:
-                        result.samples.append(run)
+                for name, run in runs.items():
+                    if not results[name].error:
+                        results[name].samples.append(run)
         for result in results.values():
             if result.error:
                 result.samples = []

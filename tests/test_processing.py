@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 )
 
 from specwire import processing
-from specwire.processing import ProcessingConfig, draw
+from specwire.processing import ProcessingConfig, draw, sampling_probs
 from tests.goodness_of_fit import chi_square_pvalue
 
 VOCAB = 50
@@ -134,7 +134,7 @@ def test_top_p_after_top_k_sorts_the_survivors_alone_to_the_full_sorts_bits(
     assert outcomes == [not ties]
 
 
-WIDE = 131_072  # wide enough that `_largest` takes its chunks for k ≤ 48
+WIDE = 131_072  # wide enough that `largest` takes its chunks for k ≤ 48
 
 
 def _transformers_probs(logits: torch.Tensor, history: torch.Tensor, config: ProcessingConfig) -> torch.Tensor:
@@ -223,7 +223,7 @@ def test_sampling_warps_the_whole_row_where_the_candidates_cannot_be_sure(case: 
 def test_largest_finds_topks_values_and_ids_that_hold_them() -> None:
     generator = torch.Generator().manual_seed(5)
     scores = (torch.randn(4, WIDE, generator=generator) * 3).to(torch.bfloat16).float()  # ties too
-    values, ids = processing._largest(scores, 43)
+    values, ids = processing.largest(scores, 43)
     assert torch.equal(values, torch.topk(scores, 43).values)
     assert torch.equal(scores.gather(1, ids), values)
     assert all(len(set(row)) == 43 for row in ids.tolist())
@@ -238,6 +238,30 @@ def test_draw_follows_the_distribution_and_never_an_id_without_mass() -> None:
     assert chi_square_pvalue(counts, probs[0].numpy()) > 1e-3
     wrong = np.array([0.0, 0.4, 0.0, 0.4, 0.2, 0.0])  # negative control: the same draws fail another p
     assert chi_square_pvalue(counts, wrong) < 1e-6
+
+
+def test_draw_over_the_chunks_with_mass_takes_the_ids_the_whole_rows_sum_takes() -> None:
+    """`draw` sums only the chunks that hold mass; the oracle is the inverse transform over the
+    whole row's float64 cumulative sum, for supports from a few ids to every id, and uniforms at
+    0, inside and where u · total rounds up to the total."""
+    def whole_row(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        cumulative = probs.double().cumsum(dim=-1)
+        ids = torch.searchsorted(cumulative, uniform[:, None] * cumulative[:, -1:], right=True).squeeze(-1)
+        last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).long().argmax(dim=-1)
+        return torch.where(ids >= probs.shape[-1], last, ids)
+
+    generator = torch.Generator().manual_seed(11)
+    chunked = 0
+    for vocab, top_k, top_p in [(WIDE, 27, 0.9), (WIDE, 100, 1.0), (WIDE, 0, 1.0), (16_384, 43, 0.9), (16_384, 8, 1.0),
+                                (1_000, 5, 1.0)]:
+        logits = torch.randn(5, vocab, generator=generator) * 3
+        probs = sampling_probs(logits, torch.zeros((5, 1), dtype=torch.long),
+                               ProcessingConfig(temperature=0.7, top_k=top_k, top_p=top_p))
+        chunked += processing._cumulative_of_mass(probs)[1] is not None
+        for uniform in (torch.rand(5, generator=generator, dtype=torch.float64), torch.zeros(5, dtype=torch.float64),
+                        torch.full((5,), 1 - 2**-53, dtype=torch.float64)):
+            assert torch.equal(draw(probs, uniform=uniform), whole_row(probs, uniform))
+    assert chunked == 3  # rows with mass in few chunks took them; the others, the whole row
 
 
 def test_draw_gives_the_last_id_with_mass_when_u_times_the_total_rounds_up(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -34,7 +34,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from specwire.engine import kernels
 from specwire.engine.cache import CacheShape, SlotCache
 from specwire.entropy_metrics import PositionMetrics, attention_scores, attention_stats, token_entropy
-from specwire.processing import NEG_INF
+from specwire.processing import NEG_INF, largest
 
 
 @dataclass
@@ -593,7 +593,7 @@ def fused_draw(logits: torch.Tensor, rows: FusedSampling, step: int) -> torch.Te
     the round goes on unfused from a difference. Nucleus (Holtzman et al. 2020) in descending
     order: a token stays while the mass above it is below p."""
     width = min(FUSED_TOP_K, logits.shape[-1])
-    values, columns = logits.float().topk(width, dim=-1)  # [B, width], descending
+    values, columns = largest(logits.float(), width)  # [B, width], descending
     rank = torch.arange(width, device=logits.device)
     scores = (values / rows.temperature[:, None]).masked_fill(rank >= rows.top_k[:, None], NEG_INF)
     probs = scores.softmax(dim=-1)

@@ -278,9 +278,9 @@ class Scheduler:
         session's fused steps (greedy and sampled, of each count), a verification scored at its
         last or every token, gathered and consecutive rows (other sessions' decode steps and
         verifications, and both packed: rows of different widths, `ForwardBatch.packed`),
-        entropix's steps with
-        its metrics (a decode step, a prompt scored at its last token, a verification scored at
-        every token and at its last few). CUDA: decode steps at 1, 2, 4 and 8 rows."""
+        entropix's steps with its metrics (a decode step, a prompt scored at its last token, a
+        verification scored at every token and at its last few). CUDA: decode steps at 1, 2, 4
+        and 8 rows."""
         if not cpu:
             return [Shape("gathered" if rows > 1 else "one", rows, 1, 1) for rows in (1, 2, 4, 8)]
         # One session's shorter and sampled fused calls too: met at once by speculative drafts,
@@ -997,31 +997,25 @@ def fused_sampling(jobs: list[ForwardJob], count: int, device: torch.device) -> 
     and greedy rows take 0.5 (unused)."""
     if all(job.sampling is None for job in jobs):
         return None
-    sampled: list[bool] = []
-    temperature: list[float] = []
-    top_k: list[int] = []
-    top_p: list[float] = []
-    min_p: list[float] = []
     uniforms = []
     for job in jobs:
-        rows = len(job.rows)
-        drawn = torch.full((rows, count), 0.5, dtype=torch.float64)
-        config = ProcessingConfig(top_k=1) if job.sampling is None else job.sampling.config
+        drawn = torch.full((len(job.rows), count), 0.5, dtype=torch.float64)
         if job.sampling is not None:
             ahead = job.sampling.uniforms[job.forwards : job.forwards + count].T  # [rows, ≤ count]
             drawn[:, : ahead.shape[1]] = ahead
-        sampled += [job.sampling is not None] * rows
-        temperature += [config.temperature] * rows
-        top_k += [config.top_k] * rows
-        top_p += [config.top_p] * rows
-        min_p += [config.min_p] * rows
         uniforms.append(drawn)
+    configs = [ProcessingConfig(top_k=1) if job.sampling is None else job.sampling.config for job in jobs]
+    rows = torch.tensor([len(job.rows) for job in jobs])
+
+    def per_row(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).repeat_interleave(rows).to(device)
+
     return FusedSampling(
-        sampled=torch.tensor(sampled, device=device),
-        temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-        top_k=torch.tensor(top_k, dtype=torch.long, device=device),
-        top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-        min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+        sampled=per_row([job.sampling is not None for job in jobs], torch.bool),
+        temperature=per_row([config.temperature for config in configs], torch.float32),
+        top_k=per_row([config.top_k for config in configs], torch.long),
+        top_p=per_row([config.top_p for config in configs], torch.float32),
+        min_p=per_row([config.min_p for config in configs], torch.float32),
         uniforms=torch.cat(uniforms).to(device),
     )
 
