@@ -294,7 +294,8 @@ def _top_k_sampling_probs(scores: torch.Tensor, config: ProcessingConfig) -> tor
     scores alone, or None where that is not certain: a score NaN or +inf, T ≤ 0 or one that
     overflows a score, a tie reaching the last candidate, a top-p cut inside a tie. s → s / T is
     monotone, so top-k of the raw scores picks the ids top-k of the warped picks. Warping a whole
-    262,144-id row costs 2.8 ms here; this, 0.46 ms (`largest`, then one softmax)."""
+    262,144-id row costs 2.8 ms here; this, 0.46 ms (`largest`, then one softmax), and with the
+    softmax over the candidates' blocks alone (`_softmax_of_few`), less."""
     rows, vocab = scores.shape
     t = config.temperature
     k = min(max(config.top_k, config.min_tokens_to_keep), vocab)
@@ -318,8 +319,24 @@ def _top_k_sampling_probs(scores: torch.Tensor, config: ProcessingConfig) -> tor
         if remove is None:
             return None
         values = values.masked_fill(remove, NEG_INF)
-    warped = scores.new_full(scores.shape, NEG_INF).scatter_(-1, ids, values)
-    return min_p(warped, config.min_p, config.min_tokens_to_keep).softmax(dim=-1)
+    if config.min_p > 0.0:
+        warped = scores.new_full(scores.shape, NEG_INF).scatter_(-1, ids, values)
+        return min_p(warped, config.min_p, config.min_tokens_to_keep).softmax(dim=-1)
+    return _softmax_of_few(ids, values, vocab)
+
+
+def _softmax_of_few(ids: torch.Tensor, values: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The softmax of [rows, vocab] rows that are −inf but at `ids` ([rows, n], distinct in a
+    row), to the bit, from n blocks of _LANE_ALIGN: the row's i-th smallest id sits in block i at
+    its own offset modulo _LANE_ALIGN, so the vectorised sum adds every value in the lane and
+    order the whole row would (the rest are exact zeros). 11,008 columns for 43 ids, not 262,144."""
+    rows, count = ids.shape
+    ids, order = ids.sort(dim=-1)
+    values = values.gather(-1, order)
+    columns = torch.arange(count, device=ids.device) * _LANE_ALIGN + ids % _LANE_ALIGN  # [rows, n]
+    blocks = values.new_full((rows, count * _LANE_ALIGN), NEG_INF).scatter_(-1, columns, values)
+    probs = blocks.softmax(dim=-1).gather(-1, columns)  # [rows, n]
+    return values.new_zeros((rows, vocab)).scatter_(-1, ids, probs)
 
 
 _CHUNK = 256  # ids a chunk in `largest`
