@@ -277,8 +277,7 @@ def test_a_trimmed_draft_proposes_from_its_own_ids_alike_fused_or_step_by_step_a
         scheduler._forward_steps, scheduler._forward = steps_recorded, one_recorded  # type: ignore[method-assign]
         if fused:
             scheduler._compiled_steps = decode_steps
-            scheduler._warm_steps |= {(True, contiguous, count, sampled) for contiguous in (True, False)
-                                      for count in (2, 3, 4) for sampled in (True, False)}
+            scheduler._warm_steps |= {(True, count, sampled) for count in (2, 3, 4) for sampled in (True, False)}
         session = engine.new_session()
         opened = session.open(OpenRequest(prompt, scoring=Scoring(ScoreKind.LOGITS, positions=2)))
         assert opened.scores is not None and opened.scores.dense is not None

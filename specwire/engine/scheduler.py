@@ -200,7 +200,7 @@ class Scheduler:
         self._compiled_steps: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self.compile_s = 0.0  # how long `compile` took for the common shapes
         self._warm: set[tuple[bool, ...]] = set()  # `shape_key`s the compiled forward has run
-        self._warm_steps: set[tuple[bool, bool, int, bool]] = set()  # `steps_key`s of the fused steps compiled
+        self._warm_steps: set[tuple[bool, int, bool]] = set()  # `steps_key`s of the fused steps compiled
         self._ready = False  # the common shapes are compiled
         self._background = False  # a compile thread takes the shapes serving meets
         self._compiler: threading.Thread | None = None  # that thread, while it has shapes to compile
@@ -275,8 +275,9 @@ class Scheduler:
 
     def _common_shapes(self, cpu: bool) -> list[Shape]:
         """The shapes compiled first, most used first. CPU: one row at a decode step, one
-        session's fused steps (greedy and sampled, of each count), a verification scored at its
-        last or every token, gathered and consecutive rows (other sessions' decode steps and
+        session's fused steps (greedy and sampled, of each count) and several sessions' (greedy,
+        of each count; fused rows are always gathered), a verification scored at its last or
+        every token, gathered and consecutive rows (other sessions' decode steps and
         verifications, and both packed: rows of different widths, `ForwardBatch.packed`),
         entropix's steps with its metrics (a decode step, a prompt scored at its last token, a
         verification scored at every token and at its last few). CUDA: decode steps at 1, 2, 4
@@ -287,9 +288,10 @@ class Scheduler:
         # whose compiling when met took the CPU from a bench's timed rounds.
         fused = [Shape("one", 1, 1, 1, steps=count, sampled=sampled) for sampled in (False, True)
                  for count in range(FUSED_STEPS, 1, -1)]
+        fused_rows = [Shape("gathered", 3, 1, 1, steps=count) for count in range(FUSED_STEPS, 1, -1)]
         return [Shape("one", 1, 1, 1), *fused, Shape("one", 1, 3, 1), Shape("one", 1, 3, 3),
-                Shape("gathered", 3, 1, 1), Shape("gathered", 3, 1, 1, steps=FUSED_STEPS), Shape("gathered", 3, 3, 1),
-                Shape("run", 3, 1, 1), Shape("run", 3, 1, 1, steps=FUSED_STEPS), Shape("run", 3, 3, 1),
+                Shape("gathered", 3, 1, 1), *fused_rows, Shape("gathered", 3, 3, 1),
+                Shape("run", 3, 1, 1), Shape("run", 3, 3, 1),
                 Shape("gathered", 3, 3, 3, packed=True), Shape("run", 3, 3, 3, packed=True),
                 Shape("one", 1, 1, 1, metrics=True), Shape("one", 1, 3, 1, metrics=True),
                 Shape("one", 1, 3, 3, metrics=True), Shape("one", 1, 4, 3, metrics=True)]
@@ -388,7 +390,7 @@ class Scheduler:
                     uniforms = torch.full((shape.steps, len(rows)), 0.5, dtype=torch.float64)
                     job.sampling = JobSampling(ProcessingConfig(temperature=0.7, top_k=8, top_p=0.9), uniforms)
                 self._forward_steps([job], shape.steps, self._compiled_steps)
-                self._warm_steps.add(steps_key(len(rows), bool(run) or len(rows) == 1, shape.steps, shape.sampled))
+                self._warm_steps.add(steps_key(len(rows), shape.steps, shape.sampled))
             else:
                 self._forward(jobs, self._compiled, warm=True)
         finally:
@@ -731,7 +733,7 @@ class Scheduler:
         runs step by step meanwhile)."""
         rows = [row for job in jobs for row in job.rows]
         sampled = any(job.sampling is not None for job in jobs)
-        key = steps_key(len(rows), rows == list(range(rows[0], rows[0] + len(rows))), count, sampled)
+        key = steps_key(len(rows), count, sampled)
         if key in self._warm_steps:
             return True
         if self._background:
@@ -769,6 +771,11 @@ class Scheduler:
         batch = self._build(jobs, steps=count)
         batch.logit_index = logit_index(jobs, 1, self.device)
         batch.dense = False  # guarded on (a mask or none): one graph
+        # Rows gathered, never sliced: a slice's first row is a guard of the graph, and a session
+        # at row 0 wanted a graph of its own, past dynamo's limit of 8 graphs, so its fused steps
+        # ran eagerly (8 Gemma draft streams: 0.38× greedy's). Fused steps serve small models,
+        # whose gathered keys are small.
+        batch.contiguous_from = None
         batch.sampling = fused_sampling(jobs, count, self.device)
         _own_symbols(batch)
         fed, logits = steps(self.model, self.cache, batch, count)
@@ -969,8 +976,9 @@ def shape_key(batch: ForwardBatch) -> tuple[bool, ...]:
     return key
 
 
-def steps_key(rows: int, contiguous: bool, count: int = FUSED_STEPS, sampled: bool = False) -> tuple[bool, bool, int, bool]:
-    return rows == 1, contiguous, count, sampled
+def steps_key(rows: int, count: int = FUSED_STEPS, sampled: bool = False) -> tuple[bool, int, bool]:
+    """What a fused call's graph specialises on: one row or more, its steps, sampled or greedy."""
+    return rows == 1, count, sampled
 
 
 def _fused(jobs: list[ForwardJob]) -> int:
