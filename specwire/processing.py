@@ -251,20 +251,20 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None, uniform:
     return chosen
 
 
-_DRAW_CHUNK = 256  # ids a chunk in `_cumulative_of_mass`
+_CHUNK = 256  # ids a chunk in `_cumulative_of_mass` and `largest`
 
 
 def _cumulative_of_mass(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The float64 cumulative sum of each row, in id order, over the chunks of _DRAW_CHUNK ids
+    """The float64 cumulative sum of each row, in id order, over the chunks of _CHUNK ids
     that hold mass (then all-zero chunks, to one width), with each column's id; (the whole
     row's, None) where most chunks hold mass. A sequential sum that skips zeros adds the rest
     in the same order, so every id with mass gets the whole row's figure to the bit: after
     top-k, ~40 ids of Gemma's 262,144 take 43 chunks' sum, not the row's (2 ms here)."""
     rows, vocab = probs.shape
-    chunks = vocab // _DRAW_CHUNK
-    if vocab % _DRAW_CHUNK or chunks < 8 or rows == 0:
+    chunks = vocab // _CHUNK
+    if vocab % _CHUNK or chunks < 8 or rows == 0:
         return probs.double().cumsum(dim=-1), None
-    blocks = probs.reshape(rows, chunks, _DRAW_CHUNK)
+    blocks = probs.reshape(rows, chunks, _CHUNK)
     held = blocks.amax(dim=-1) > 0  # [rows, chunks]
     count = int(held.sum(dim=-1).max())
     if count > chunks // 4:
@@ -272,8 +272,8 @@ def _cumulative_of_mass(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     index = torch.arange(chunks, device=probs.device)
     # Chunks with mass first, each part in id order (keys are distinct: a stable order).
     kept = torch.where(held, index, index + chunks).topk(max(count, 1), dim=-1, largest=False).indices  # [rows, count]
-    picked = blocks.gather(1, kept.unsqueeze(-1).expand(-1, -1, _DRAW_CHUNK)).flatten(1)  # [rows, count·chunk]
-    ids = (kept.unsqueeze(-1) * _DRAW_CHUNK + torch.arange(_DRAW_CHUNK, device=probs.device)).flatten(1)
+    picked = blocks.gather(1, kept.unsqueeze(-1).expand(-1, -1, _CHUNK)).flatten(1)  # [rows, count·chunk]
+    ids = (kept.unsqueeze(-1) * _CHUNK + torch.arange(_CHUNK, device=probs.device)).flatten(1)
     return picked.double().cumsum(dim=-1), ids
 
 
@@ -337,9 +337,6 @@ def _softmax_of_few(ids: torch.Tensor, values: torch.Tensor, vocab: int) -> torc
     blocks = values.new_full((rows, count * _LANE_ALIGN), NEG_INF).scatter_(-1, columns, values)
     probs = blocks.softmax(dim=-1).gather(-1, columns)  # [rows, n]
     return values.new_zeros((rows, vocab)).scatter_(-1, ids, probs)
-
-
-_CHUNK = 256  # ids a chunk in `largest`
 
 
 def largest(scores: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

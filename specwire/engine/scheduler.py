@@ -399,7 +399,7 @@ class Scheduler:
 
     def _request(self, jobs: list[ForwardJob], batch: ForwardBatch, steps: int = 0, sampled: bool = False) -> None:
         """A shape serving met that is not compiled: compile it in the background."""
-        contiguous = batch.contiguous_from is not None
+        contiguous = batch.contiguous_from is not None and not steps  # fused steps gather their rows
         rows = int(batch.input_ids.shape[0])
         kind = "one" if rows == 1 else "run" if contiguous else "gathered"
         width = int(batch.input_ids.shape[1])
@@ -731,9 +731,8 @@ class Scheduler:
     def _steps_warm(self, jobs: list[ForwardJob], count: int) -> bool:
         """`count` fused steps of these jobs are compiled (else they are asked for, and the round
         runs step by step meanwhile)."""
-        rows = [row for job in jobs for row in job.rows]
         sampled = any(job.sampling is not None for job in jobs)
-        key = steps_key(len(rows), count, sampled)
+        key = steps_key(sum(len(job.rows) for job in jobs), count, sampled)
         if key in self._warm_steps:
             return True
         if self._background:
