@@ -575,6 +575,7 @@ class Speculation:
         self._record_load(verified)
         if ctx.stats.target.calls > 2:  # the first step carries the prompt's prefill
             self.estimates.record_verify(spent.compute_ms, request.scoring.positions, spent.client_ms - spent.compute_ms)
+            self.memory.record_verify_scale(self.estimates.batch_rows, self.estimates.verify_scale)
         return verified
 
     # -- bookkeeping --------------------------------------------------------------------------
@@ -596,9 +597,14 @@ class Speculation:
         return replace(processing, top_k=min(processing.top_k or DRAFT_TOP_K, DRAFT_TOP_K))
 
     def _record_load(self, result: StepResult) -> None:
-        """The batch a target reply rode in (`RunningEstimates.record_load`)."""
-        timing = result.timing
+        """The batch a target reply rode in (`RunningEstimates.record_load`); at rows other than the
+        last reply's, the verify scale the pair's rounds measured at those rows (1 alone)."""
+        timing, rows = result.timing, self.estimates.batch_rows
         self.estimates.record_load(timing.batch_rows, timing.batch_costs, timing.one_row_costs)
+        if self.estimates.batch_rows != rows:
+            remembered = self.memory.verify_scale(self.estimates.batch_rows)
+            alone = self.estimates.batch_rows == 1
+            self.estimates.verify_scale = remembered or (1.0 if alone else self.estimates.verify_scale)
 
     def _discard_pending(self) -> None:
         """Drop a pipelined proposal: the draft keeps the history, not the proposal."""

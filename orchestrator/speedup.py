@@ -169,6 +169,11 @@ class CopyAcceptance:
         return gamma, (verify_ms(gamma) + trip_ms) / self.tokens(gamma)
 
 
+# What a remembered verify scale keeps of its distance from 1 each time a generation takes it up
+# (`AcceptanceMemory.verify_scale`).
+SCALE_RECALL = 0.9
+
+
 @dataclass
 class AcceptanceMemory:
     """The acceptance counts of a draft/target pair's earlier rounds, across generations: the α a
@@ -182,6 +187,27 @@ class AcceptanceMemory:
     # The draft's ms a token as this orchestrator measured it (`RunningEstimates.draft_ms_per_token`);
     # None until then, when the plan has only the service's warm-up figure (`Info`).
     draft_ms_per_token: float | None = None
+    # What verifications took over the target's curve (`RunningEstimates.verify_scale`), by the
+    # rows (≥ 2) of the batch they rode in: a generation starts from it, not from 1. The curve's
+    # guess at a batch's wider forwards falls short (Gemma-3-270M, 2 cores, 8 rows: ×2.7), and
+    # every new generation at 8 streams spent its first rounds finding that out again.
+    verify_scales: dict[int, float] = field(default_factory=dict)
+
+    def verify_scale(self, rows: int) -> float | None:
+        """The scale remembered at `rows` rows, for a generation whose batch now has them; each
+        such reading moves it a little toward 1 (SCALE_RECALL), so a figure that keeps speculation
+        off is measured again before long rather than trusted for ever. None at one row (the
+        target's own curve, timed alone, is what a verification costs there) or where nothing was
+        measured."""
+        scale = self.verify_scales.get(rows) if rows >= 2 else None
+        if scale is None:
+            return None
+        self.verify_scales[rows] = 1.0 + SCALE_RECALL * (scale - 1.0)
+        return scale
+
+    def record_verify_scale(self, rows: int, scale: float) -> None:
+        if rows >= 2:
+            self.verify_scales[rows] = scale
 
     def record(self, drafted: int, accepted: int) -> None:
         self.accepted, self.rejected = decayed_counts(self.accepted, self.rejected, self.decay, drafted, accepted)

@@ -15,6 +15,7 @@ from specwire.draft_service.ngram import NgramDrafter, NgramSession, ngram_match
 from specwire.orchestrator.speculative import (
     _MEMORIES,
     SessionSync,
+    Speculation,
     accept_greedy,
     acceptance_memory,
     max_sampled_gamma,
@@ -22,6 +23,7 @@ from specwire.orchestrator.speculative import (
     one_hot_probs,
 )
 from specwire.orchestrator.speedup import (
+    SCALE_RECALL,
     AcceptanceMemory,
     CopyAcceptance,
     RunningEstimates,
@@ -38,7 +40,7 @@ from specwire.engine import CausalLM, Engine
 from specwire.engine.batch_costs import BatchCosts
 from specwire.errors import InvalidArgument
 from specwire.processing import ProcessingConfig
-from specwire.session import OpenRequest, ScoreKind, Scoring, StepRequest
+from specwire.session import OpenRequest, ScoreKind, Scoring, ServerTiming, StepRequest, StepResult
 from tests.goodness_of_fit import chi_square_pvalue
 
 
@@ -425,6 +427,35 @@ def test_under_load_the_plan_prices_gamma_on_what_the_batch_adds_at_each_width()
     assert estimates.batch_rows == 8 and estimates.load_at(2) == pytest.approx(7.0)
     estimates.record_load(1, one_row, one_row)
     assert estimates.plan(16, 8, draft_trip=False).speculate
+
+
+def test_a_generation_starts_from_the_verify_scale_the_pair_measured_at_its_batch_rows() -> None:
+    """At 8 rows the curve's guess at a verification fell short by 2.7× (Gemma-3-270M, 2 cores):
+    a generation that starts from 1 speculates until it has measured that again. From the pair's
+    memory it starts target-only; alone (1 row) it starts from 1, the target's own curve. A
+    remembered scale moves back toward 1 at each reading, so one that keeps speculation off is
+    measured again. Oracle: `plan_round` through `RunningEstimates.plan` at each scale."""
+    solo = [(1, 10.0), (2, 10.5), (5, 12.0), (8, 14.0), (16, 20.0)]
+    batch = [(1, 20.0), (2, 22.0), (5, 28.0), (8, 36.0), (16, 60.0)]
+    memory = AcceptanceMemory()
+
+    def generation() -> RunningEstimates:
+        estimates = RunningEstimates.seeded(solo, target_ms_per_token=10.0, draft_ms_per_token=0.5, prior=(16.0, 4.0))
+        reply = StepResult(timing=ServerTiming(batch_rows=8, batch_costs=batch, one_row_costs=solo))
+        Speculation._record_load(SimpleNamespace(estimates=estimates, memory=memory), reply)  # type: ignore[arg-type]
+        return estimates
+
+    first = generation()
+    assert first.verify_scale == 1.0 and first.plan(16, 8, draft_trip=True).speculate
+    for _ in range(20):  # what its verifications took: 2.7× the curve
+        first.record_verify(compute_ms=2.7 * 28.0, positions=5, trip_ms=1.0)
+        memory.record_verify_scale(first.batch_rows, first.verify_scale)
+    assert memory.verify_scales[8] == pytest.approx(2.7, rel=1e-3)
+    second = generation()
+    assert second.verify_scale == pytest.approx(2.7, rel=1e-3) and not second.plan(16, 8, draft_trip=True).speculate
+    assert memory.verify_scales[8] == pytest.approx(1.0 + SCALE_RECALL * 1.7, rel=1e-3)
+    memory.record_verify_scale(1, 3.0)  # alone, nothing is remembered: the curve is the cost
+    assert memory.verify_scale(1) is None and 1 not in memory.verify_scales
 
 
 def test_probing_is_worth_a_round_only_while_alpha_might_still_make_speculation_pay() -> None:
