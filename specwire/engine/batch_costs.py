@@ -6,10 +6,14 @@ costs: on a CPU the matrix products grow with the R·W positions and attention w
 load must price a verification of γ drafts at what it does to the whole batch, R rows of γ + 1
 positions (`ServerTiming.batch_costs`), so the table keeps what each (R, W) took.
 
-Where (R, W) was not met yet, it is estimated from the nearest width met at R rows, plus what
-the extra positions cost along the one-row curve: cost(R, W') + c₁(R·W) − c₁(R·W'), c₁ the
-one-row forward at that many positions (a matrix product's cost follows its positions, whatever
-rows they come in); with nothing met at R rows, c₁(R·W).
+A forward's cost never falls as its width grows, so each curve is read through its isotonic fit
+(pool adjacent violators): one forward timed while another process held the cores must not make
+the widths around it look cheaper or dearer than their order allows. Where (R, W) was not met
+yet, it is read off the widths met at R rows (between them, linearly; beyond them, along their
+mean slope: a + b·R·W at a fixed R), and where only one width was met, from it plus what the
+extra positions cost along the one-row curve, c₁(R·W) − c₁(R·W'); with nothing met at R rows,
+c₁(R·W). Beyond its widths a curve goes on at its mean slope: the last two points alone, timed
+apart, made a 9-row forward look cheaper the wider it was.
 """
 
 from __future__ import annotations
@@ -48,28 +52,51 @@ class BatchCosts:
         served at one row yet (no curve to estimate from)."""
         with self._lock:
             table = dict(self._ms)
-        solo = sorted((width, ms) for (r, width), ms in table.items() if r == 1)
+        solo = monotone(sorted((width, ms) for (r, width), ms in table.items() if r == 1))
         if not solo:
             return []
-        met = sorted((width, ms) for (r, width), ms in table.items() if r == rows)
-        return [(width, _estimate(table, solo, met, rows, width)) for width in widths]
+        met = monotone(sorted((width, ms) for (r, width), ms in table.items() if r == rows))
+        return monotone([(width, _estimate(solo, met, rows, width)) for width in sorted(widths)])
 
 
-def _estimate(
-    table: dict[tuple[int, int], float],
-    solo: list[tuple[int, float]],
-    met: list[tuple[int, float]],
-    rows: int,
-    width: int,
-) -> float:
-    if (rows, width) in table:
-        return table[rows, width]
+def monotone(points: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The nondecreasing fit nearest (least squares) to points in ascending width: pool adjacent
+    violators, each pool at its mean (Barlow et al. 1972)."""
+    pools: list[list[float]] = []  # [sum, count] of each pool
+    for _, ms in points:
+        pools.append([ms, 1.0])
+        while len(pools) > 1 and pools[-2][0] / pools[-2][1] > pools[-1][0] / pools[-1][1]:
+            total, count = pools.pop()
+            pools[-1][0] += total
+            pools[-1][1] += count
+    fitted = [total / count for total, count in pools for _ in range(int(count))]
+    return [(width, ms) for (width, _), ms in zip(points, fitted, strict=True)]
+
+
+def _slope(points: list[tuple[int, float]]) -> float:
+    """ms a width, first point to last (0 for one point)."""
+    (w0, ms0), (w1, ms1) = points[0], points[-1]
+    return (ms1 - ms0) / (w1 - w0) if w1 > w0 else 0.0
+
+
+def _read(points: list[tuple[int, float]], width: int) -> float:
+    """A monotone curve at `width`: linear between its points, its first below them, along its
+    mean slope beyond them."""
+    last_width, last_ms = points[-1]
+    if width <= last_width:
+        return forward_cost_at(points, width)
+    return last_ms + _slope(points) * (width - last_width)
+
+
+def _estimate(solo: list[tuple[int, float]], met: list[tuple[int, float]], rows: int, width: int) -> float:
     if not met:
-        return forward_cost_at(solo, rows * width)
-    near, near_ms = min(met, key=lambda point: (abs(point[0] - width), point[0]))
-    shift = forward_cost_at(solo, rows * width) - forward_cost_at(solo, rows * near)
-    # A wider forward never costs less than a narrower one met, nor a narrower one more, nor
-    # R rows less than one row of the same width.
-    if width > near:
-        return max(near_ms, near_ms + shift)
-    return max(min(near_ms, near_ms + shift), forward_cost_at(solo, width))
+        return _read(solo, rows * width)
+    floor = _read(solo, width)  # R rows never cost less than one row of the same width
+    if len(met) > 1:
+        first_width, first_ms = met[0]
+        if width < first_width:
+            return max(first_ms - _slope(met) * (first_width - width), floor)
+        return max(_read(met, width), floor)
+    near, near_ms = met[0]
+    shift = _read(solo, rows * width) - _read(solo, rows * near)
+    return max(near_ms + shift, floor)
