@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from specwire.cost_curve import forward_cost_at
 from specwire.engine.batch_costs import CURVE_POSITIONS, BatchCosts, monotone
 
 
@@ -77,3 +78,24 @@ def test_a_batch_never_costs_less_than_one_row_of_its_width() -> None:
     curve = dict(costs.curve(2, (1, 8, 16)))
     assert curve[8] >= cost(1, 8) and curve[16] >= cost(1, 16)
     assert nondecreasing(sorted(curve.items()))
+
+
+def test_batch_costs_keep_each_shape_met_and_estimate_the_others_along_the_one_row_curve() -> None:
+    costs = BatchCosts()
+    assert costs.curve(8, (1, 5)) == []  # nothing at one row yet: no curve to read
+    for width, ms in [(1, 10.0), (8, 30.0), (16, 50.0)]:
+        costs.record(1, width, ms)
+    costs.record(8, 1, 40.0)
+    costs.record(8, 1, 50.0)  # a moving average: 40 + 0.2 · (50 − 40)
+    curve = dict(costs.curve(8, (1, 2, 5)))
+    assert curve[1] == pytest.approx(42.0)
+    # One width met at 8 rows: 8 rows of 1 plus what 8 → 16 and 8 → 40 positions add on one row,
+    # past its last point at its mean slope, (50 − 10) / 15 a position.
+    assert curve[2] == pytest.approx(42.0 + 50.0 - 30.0)
+    assert curve[5] == pytest.approx(42.0 + (50.0 + 40.0 / 15.0 * 24) - 30.0)
+    costs.record(8, 5, 70.0)  # met now: the measurement wins, and 2 lies between two met widths
+    curve = dict(costs.curve(8, (2, 5)))
+    assert curve[5] == 70.0 and curve[2] == pytest.approx(42.0 + (70.0 - 42.0) / 4)
+    assert dict(costs.curve(3, (1,)))[1] == pytest.approx(forward_cost_at([(1, 10.0), (8, 30.0), (16, 50.0)], 3))
+    costs.clear()
+    assert costs.curve(1, (1,)) == []

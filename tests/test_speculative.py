@@ -37,7 +37,6 @@ from transformers import GenerationConfig
 
 from specwire.acceptance import accept_draft, accept_drafts, residual_distribution
 from specwire.engine import CausalLM, Engine
-from specwire.engine.batch_costs import BatchCosts
 from specwire.errors import InvalidArgument
 from specwire.processing import ProcessingConfig
 from specwire.session import OpenRequest, ScoreKind, Scoring, ServerTiming, StepRequest, StepResult
@@ -378,26 +377,6 @@ def test_a_draft_handle_remembers_acceptance_per_target_and_rule_for_as_long_as_
     del draft, others
     gc.collect()  # the handle is gone, and its memories with it
     assert not any(memory is greedy for memories in _MEMORIES.values() for memory in memories.values())
-
-
-def test_batch_costs_keep_each_shape_met_and_estimate_the_others_along_the_one_row_curve() -> None:
-    costs = BatchCosts()
-    assert costs.curve(8, (1, 5)) == []  # nothing at one row yet: no curve to read
-    for width, ms in [(1, 10.0), (8, 30.0), (16, 50.0)]:
-        costs.record(1, width, ms)
-    costs.record(8, 1, 40.0)
-    costs.record(8, 1, 50.0)  # a moving average: 40 + 0.2 · (50 − 40)
-    curve = dict(costs.curve(8, (1, 2, 5)))
-    assert curve[1] == pytest.approx(42.0)
-    # Not met at 8 rows: 8 rows of 1 plus what 8 → 16 and 8 → 40 positions add on one row.
-    assert curve[2] == pytest.approx(42.0 + 50.0 - 30.0)
-    assert curve[5] == pytest.approx(42.0 + (50.0 + 2.5 * 24) - 30.0)
-    costs.record(8, 5, 70.0)  # met now: the measurement wins, and narrows the estimate of 2
-    curve = dict(costs.curve(8, (2, 5)))
-    assert curve[5] == 70.0 and curve[2] == pytest.approx(42.0 + 20.0)
-    assert dict(costs.curve(3, (1,)))[1] == pytest.approx(forward_cost_at([(1, 10.0), (8, 30.0), (16, 50.0)], 3))
-    costs.clear()
-    assert costs.curve(1, (1,)) == []
 
 
 def test_under_load_the_plan_prices_gamma_on_what_the_batch_adds_at_each_width() -> None:
