@@ -56,7 +56,8 @@ class BatchCosts:
         if not solo:
             return []
         met = monotone(sorted((width, ms) for (r, width), ms in table.items() if r == rows))
-        return monotone([(width, _estimate(solo, met, rows, width)) for width in sorted(widths)])
+        # Monotone in, monotone out: every branch of `_estimate` grows with the width.
+        return [(width, _estimate(solo, met, rows, width)) for width in widths]
 
 
 def monotone(points: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
