@@ -311,14 +311,18 @@ def test_a_reply_names_the_rows_of_the_batch_it_rode_in_and_what_that_batch_cost
     assert (alone.timing.batch_rows, alone.timing.batch_costs) == (1, [])  # one row: no load to tell
     start = threading.Barrier(2)
 
-    def decode(session: Any) -> Any:
+    def decode(session: Any) -> tuple[float, Any]:
         start.wait()
-        return session.step(StepRequest(append_ids=[7], propose=48, propose_greedy=True))
+        result = session.step(StepRequest(append_ids=[7], propose=48, propose_greedy=True))
+        return time.monotonic(), result
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        together = list(pool.map(decode, sessions))
+        finished = sorted(pool.map(decode, sessions), key=lambda pair: pair[0])
+    together = [result for _, result in finished]
     assert max(result.timing.batch_rows for result in together) == 2
-    shared = next(result for result in together if result.timing.batch_rows == 2)
+    # Only the last reply's curves are still the table's: forwards after a reply change it.
+    shared = together[-1]
+    assert shared.timing.batch_rows == 2
     assert [n for n, _ in shared.timing.batch_costs] == list(COST_POSITIONS)
     assert dict(shared.timing.batch_costs)[1] == lean.scheduler.costs.curve(2, (1,))[0][1]  # type: ignore[union-attr]
     assert [n for n, _ in shared.timing.one_row_costs] == list(COST_POSITIONS)
