@@ -67,8 +67,9 @@ round covers every prompt (call i takes prompt i mod the prompts, N calls or as 
 prompts, thread j the calls j, j + N, ...), so one stream's rate is over the same prompts as the
 rows'. Per entry:
 `aggregate_tokens_per_s` (all streams' tokens over the wall time of the round of N, median over
-repeats; each repeat runs the levels in a shuffled order), `ratio_vs_one_stream` (the median over
-repeats of the rate over one stream's in the same repeat), `p50_token_ms` / `p99_token_ms` (over
+repeats; each repeat runs every strategy's levels in one shuffled order), `ratio_vs_one_stream`
+and `ratio_vs_greedy` (the median over repeats of the rate over one stream's of the same strategy,
+and over greedy's at as many streams, in the same repeat), `p50_token_ms` / `p99_token_ms` (over
 streams and repeats, of a stream's wall time per token), `matches_solo` (the share of streams
 whose tokens equal the N = 1 run on the same prompt), and for speculative strategies
 `tokens_per_target_forward` and `off_round_share` (the share of rounds auto γ ran target-only).
@@ -489,26 +490,27 @@ def specwire_sample(client: Any, params: dict[str, Any], prompt_ids: list[int], 
 
 
 def concurrency_entries(
-    client: Any, params: dict[str, Any], prompt_ids: list[list[int]], levels: Sequence[int], max_new_tokens: int,
-    repeats: int, seed: int = 0, label: str = "",
+    runs: Sequence[tuple[str, Any, dict[str, Any]]], prompt_ids: list[list[int]], levels: Sequence[int],
+    max_new_tokens: int, repeats: int, seed: int = 0,
 ) -> list[dict[str, Any]]:
-    """N concurrent `Generate` calls per level, each with keywords `params` (see the module
-    docstring for the fields; `label` names them, default the strategy). Each repeat runs every
-    level once, in a freshly shuffled order, so load drift spreads over all."""
-    strategy = label or params["strategy"]
-    solo = {i: specwire_sample(client, params, ids, max_new_tokens).token_ids for i, ids in enumerate(prompt_ids)}
-    rates: dict[int, list[float]] = {n: [] for n in levels}
-    matches: dict[int, list[bool]] = {n: [] for n in levels}
-    done: dict[int, list[Sample]] = {n: [] for n in levels}
+    """N concurrent `Generate` calls per level for each of `runs` (label, client, keywords; see the
+    module docstring for the fields). Each repeat runs every (strategy, level) once, in a freshly
+    shuffled order, so that load drift spreads over all and ratios pair within a repeat."""
+    solo = {label: {i: specwire_sample(client, params, ids, max_new_tokens).token_ids for i, ids in enumerate(prompt_ids)}
+            for label, client, params in runs}
+    rates: dict[tuple[str, int], list[float]] = {(label, n): [] for label, _, _ in runs for n in levels}
+    matches: dict[tuple[str, int], list[bool]] = {key: [] for key in rates}
+    done: dict[tuple[str, int], list[Sample]] = {key: [] for key in rates}
     rng = random.Random(seed)
     with ThreadPoolExecutor(max_workers=max(levels)) as pool:
         for _ in range(repeats):
-            order = list(levels)
+            order = [(run, streams) for run in runs for streams in levels]
             rng.shuffle(order)
-            for streams in order:
+            for (label, client, params), streams in order:
                 calls = [i % len(prompt_ids) for i in range(max(streams, len(prompt_ids)))]
 
-                def stream(j: int, calls: list[int] = calls, streams: int = streams) -> list[Sample]:
+                def stream(j: int, calls: list[int] = calls, streams: int = streams, client: Any = client,
+                           params: dict[str, Any] = params) -> list[Sample]:
                     return [specwire_sample(client, params, prompt_ids[i], max_new_tokens) for i in calls[j::streams]]
 
                 started = time.perf_counter()
@@ -516,31 +518,43 @@ def concurrency_entries(
                 wall = time.perf_counter() - started
                 which = [i for j in range(streams) for i in calls[j::streams]]
                 samples = [sample for done in per_stream for sample in done]
-                rates[streams].append(sum(len(s.token_ids) for s in samples) / wall)
-                matches[streams] += [s.token_ids == solo[i] for s, i in zip(samples, which, strict=True)]
-                done[streams] += samples
+                key = (label, streams)
+                rates[key].append(sum(len(s.token_ids) for s in samples) / wall)
+                matches[key] += [s.token_ids == solo[label][i] for s, i in zip(samples, which, strict=True)]
+                done[key] += samples
     entries: list[dict[str, Any]] = []
-    for streams in levels:
-        latencies = sorted(1e3 * s.seconds / max(1, len(s.token_ids)) for s in done[streams])
-        entries.append({
-            "strategy": strategy,
-            "streams": streams,
-            "aggregate_tokens_per_s": statistics.median(rates[streams]),
-            "p50_token_ms": statistics.median(latencies),
-            "p99_token_ms": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-            "matches_solo": sum(matches[streams]) / len(matches[streams]),
-            # Speculative rows: how far auto γ speculated at this load.
-            "tokens_per_target_forward": _ratio(sum(len(s.token_ids) for s in done[streams]),
-                                                sum(s.target_forwards for s in done[streams])),
-            "off_round_share": _ratio(sum(s.off_rounds for s in done[streams]), sum(s.rounds for s in done[streams])),
-        })
-    one = entries[0] if levels[0] == 1 else None
+    greedy = runs[0][0] if runs and runs[0][2].get("strategy") == "greedy" else None
+    for label, _, _ in runs:
+        for streams in levels:
+            key = (label, streams)
+            latencies = sorted(1e3 * s.seconds / max(1, len(s.token_ids)) for s in done[key])
+            entries.append({
+                "strategy": label,
+                "streams": streams,
+                "aggregate_tokens_per_s": statistics.median(rates[key]),
+                "p50_token_ms": statistics.median(latencies),
+                "p99_token_ms": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+                "matches_solo": sum(matches[key]) / len(matches[key]),
+                # Speculative rows: how far auto γ speculated at this load.
+                "tokens_per_target_forward": _ratio(sum(len(s.token_ids) for s in done[key]),
+                                                    sum(s.target_forwards for s in done[key])),
+                "off_round_share": _ratio(sum(s.off_rounds for s in done[key]), sum(s.rounds for s in done[key])),
+            })
     for entry in entries:
-        # Paired: this level's rate over one stream's in the same repeat, median over repeats.
-        paired = [n / o for n, o in zip(rates[entry["streams"]], rates[1], strict=True)] if one else []
-        entry["ratio_vs_one_stream"] = statistics.median(paired) if paired else None
-        entry["p50_ratio_vs_one_stream"] = _ratio(entry["p50_token_ms"], one["p50_token_ms"]) if one else None
+        label, streams = entry["strategy"], entry["streams"]
+        one = (label, 1) in rates
+        # Paired: over one stream's rate, and over greedy's at as many streams, in the same repeat;
+        # the median over repeats.
+        entry["ratio_vs_one_stream"] = _paired(rates[(label, streams)], rates[(label, 1)]) if one else None
+        entry["ratio_vs_greedy"] = (_paired(rates[(label, streams)], rates[(greedy, streams)])
+                                    if greedy is not None and label != greedy else None)
+        first = next(e for e in entries if e["strategy"] == label)
+        entry["p50_ratio_vs_one_stream"] = _ratio(entry["p50_token_ms"], first["p50_token_ms"]) if one else None
     return entries
+
+
+def _paired(rates: list[float], baseline: list[float]) -> float:
+    return statistics.median(n / o for n, o in zip(rates, baseline, strict=True))
 
 
 def entropix_metrics_cost(config: BenchConfig, context: int = 64, steps: int = 200) -> dict[str, Any]:
@@ -991,13 +1005,9 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         if config.concurrency and "model" in clients:
             levels = sorted(set(config.concurrency) | {1})
             measured = ["specwire_greedy"] + [row for row in CONCURRENCY_ROWS if row in config.rows]
-            for row in measured:
-                client = clients.get(row_stack(row, set(clients)))
-                if client is not None:
-                    concurrency += concurrency_entries(
-                        client, row_params(row, config.gamma), prompt_ids, levels, config.max_new_tokens,
-                        config.repeats, config.seed, label=row.removeprefix("specwire_"),
-                    )
+            streams = [(row.removeprefix("specwire_"), clients[row_stack(row, set(clients))], row_params(row, config.gamma))
+                       for row in measured if row_stack(row, set(clients)) in clients]
+            concurrency = concurrency_entries(streams, prompt_ids, levels, config.max_new_tokens, config.repeats, config.seed)
         metadata: dict[str, Any] = {
             "schema": SCHEMA,
             "command": home_as_tilde(config.command) if config.command else config.command,

@@ -50,6 +50,7 @@ CONCURRENCY_COLUMNS: list[tuple[str, str, int]] = [
     ("streams", "streams", 0),
     ("aggregate tok/s", "aggregate_tokens_per_s", 1),
     ("× one stream", "ratio_vs_one_stream", 2),
+    ("× greedy", "ratio_vs_greedy", 2),
     ("p50 ms/token", "p50_token_ms", 2),
     ("p99 ms/token", "p99_token_ms", 2),
     ("p50 × one stream", "p50_ratio_vs_one_stream", 2),
@@ -141,7 +142,7 @@ def concurrency_table(report: dict[str, Any]) -> list[str]:
     """Concurrent streams per strategy (`specwire bench --concurrency`)."""
     return _table(
         ["strategy"] + [header for header, _, _ in CONCURRENCY_COLUMNS],
-        [[entry["strategy"]] + [fmt(entry[key], digits) for _, key, digits in CONCURRENCY_COLUMNS]
+        [[entry["strategy"]] + [fmt(entry.get(key), digits) for _, key, digits in CONCURRENCY_COLUMNS]
          for entry in report["concurrency"]],
     )
 

@@ -231,7 +231,10 @@ def test_concurrent_streams_cover_every_prompt_and_equal_their_solo_runs(bench_r
         assert entry["matches_solo"] == 1.0 and entry["aggregate_tokens_per_s"] > 0, entry
         assert entry["tokens_per_target_forward"] > 0 and 0.0 <= entry["off_round_share"] <= 1.0, entry
         if entry["strategy"] == "greedy":
-            assert entry["off_round_share"] == 0.0, entry
+            assert entry["off_round_share"] == 0.0 and entry["ratio_vs_greedy"] is None, entry
+        else:  # paired with greedy's rate at as many streams; one repeat: the ratio of the two
+            greedy = next(e for e in bench_report["concurrency"] if e["strategy"] == "greedy" and e["streams"] == entry["streams"])
+            assert entry["ratio_vs_greedy"] == pytest.approx(entry["aggregate_tokens_per_s"] / greedy["aggregate_tokens_per_s"])
 
 
 def test_bench_records_its_command_date_and_machine(bench_report: dict[str, Any]) -> None:
@@ -257,7 +260,8 @@ BEAM_COLUMNS = {
     "= beam": "matches_beam",
 }
 STREAM_COLUMNS = {
-    "aggregate tok/s": "aggregate_tokens_per_s", "× one stream": "ratio_vs_one_stream", "p50 ms/token": "p50_token_ms",
+    "aggregate tok/s": "aggregate_tokens_per_s", "× one stream": "ratio_vs_one_stream", "× greedy": "ratio_vs_greedy",
+    "p50 ms/token": "p50_token_ms",
     "p99 ms/token": "p99_token_ms", "p50 × one stream": "p50_ratio_vs_one_stream", "= solo": "matches_solo",
 }
 
@@ -315,7 +319,7 @@ def assert_tables_agree(rendered: str, data: dict[str, Any], headline: bool) -> 
         for cells, entry in zip(tables[1], data["concurrency"], strict=True):
             assert (cells["strategy"], int(cells["streams"])) == (entry["strategy"], entry["streams"])
             for header, key in STREAM_COLUMNS.items():
-                assert_cell_shows(cells[header], entry[key])
+                assert_cell_shows(cells[header], entry.get(key))
     meta = data["metadata"]
     assert rendered.startswith(f"Measured {meta['date'][:10]} on {meta['machine']['description']}")
     threads = meta["machine"]["omp_num_threads_env"]
