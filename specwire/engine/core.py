@@ -37,11 +37,13 @@ COMPILE_PAYS_ON: frozenset[str] = frozenset({"cpu"})
 # Warm-up timing (`Engine.measure_costs`, `Info.forward_costs`): forwards of this many new
 # positions, and greedy rounds of this many tokens.
 COST_POSITIONS = CURVE_POSITIONS
-# Fused greedy steps and the C++ kernel wrapper (`Scheduler.compile`) cut a compiled call's fixed
-# cost (~0.1 ms); for a model whose eager decode step takes longer than this they take the longest
-# to compile (Gemma-3-270M on 2 cores: 4 shapes, one of them fused, took 35 minutes with the C++
-# wrapper; one shape compiles in under a minute without). docs/engine.md has what they gained there.
-FUSE_BELOW_MS = 5.0
+# Fused decode steps and the C++ kernel wrapper (`Scheduler.compile`) cut a compiled call's fixed
+# cost (~0.1 ms) and take longer to compile, the longer the more layers: Gemma-3-270M (18) on 2
+# cores, 4 shapes, one of them fused, took 35 minutes with the C++ wrapper (one shape compiles in
+# under a minute without); its 4-layer draft's shapes took 132 s against 63, for draft rounds of
+# 4 in 3.2–3.6 ms against 7.6 (docs/engine.md). Gated on layers, not on an eager step's time: the
+# draft's eager step takes ~8 ms here, most of it Python, and about 1 ms compiled.
+FUSE_MAX_LAYERS = 8
 DECODE_TOKENS = 8
 @dataclass(frozen=True)
 class EngineLimits:
@@ -115,9 +117,7 @@ class Engine:
                 raise ValueError(f"--compile must be auto, on or off; got {self.limits.compile!r}")
             compiling = self.limits.compile == "on" or (self.limits.compile == "auto" and lm.device.type in COMPILE_PAYS_ON)
             if compiling and not self.limits.compile_in_background:
-                # As `warmup` decides in the background: from an eager decode step's time.
-                short = self.scheduler.time_decode_step(1, 8, repeats=3)[0] < FUSE_BELOW_MS
-                self.scheduler.compile(on_ready=self._remeasure, short_steps=short)
+                self.scheduler.compile(on_ready=self._remeasure, short_steps=self._short_steps())
             # In the background, compilation starts after `warmup`: warm-up's eager forwards
             # would otherwise share the cores with the compiler and keep the service from SERVING.
             self._compile_later = compiling and self.limits.compile_in_background
@@ -180,8 +180,11 @@ class Engine:
         self._forward_costs, self._decode_ms_per_token = self.measure_costs()
         if self._compile_later and self.scheduler is not None:
             self._compile_later = False
-            short = self._decode_ms_per_token < FUSE_BELOW_MS
-            self.scheduler.compile(background=True, on_ready=self._remeasure, short_steps=short)
+            self.scheduler.compile(background=True, on_ready=self._remeasure, short_steps=self._short_steps())
+
+    def _short_steps(self) -> bool:
+        """Fused steps and the C++ wrapper (`FUSE_MAX_LAYERS`)."""
+        return self.cache is not None and self.cache.shape.layers <= FUSE_MAX_LAYERS
 
     def _remeasure(self) -> None:
         """Compiled forwards cost less than the eager ones `warmup` timed: `Info` reports these,
