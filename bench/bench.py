@@ -523,7 +523,7 @@ def concurrency_entries(
                 matches[key] += [s.token_ids == solo[label][i] for s, i in zip(samples, which, strict=True)]
                 done[key] += samples
     entries: list[dict[str, Any]] = []
-    greedy = runs[0][0] if runs and runs[0][2].get("strategy") == "greedy" else None
+    greedy = next((label for label, _, params in runs if params.get("strategy") == "greedy"), None)
     for label, _, _ in runs:
         for streams in levels:
             key = (label, streams)
@@ -542,19 +542,14 @@ def concurrency_entries(
             })
     for entry in entries:
         label, streams = entry["strategy"], entry["streams"]
-        one = (label, 1) in rates
+        one = next((e for e in entries if e["strategy"] == label and e["streams"] == 1), None)
         # Paired: over one stream's rate, and over greedy's at as many streams, in the same repeat;
         # the median over repeats.
         entry["ratio_vs_one_stream"] = _paired(rates[(label, streams)], rates[(label, 1)]) if one else None
         entry["ratio_vs_greedy"] = (_paired(rates[(label, streams)], rates[(greedy, streams)])
                                     if greedy is not None and label != greedy else None)
-        first = next(e for e in entries if e["strategy"] == label)
-        entry["p50_ratio_vs_one_stream"] = _ratio(entry["p50_token_ms"], first["p50_token_ms"]) if one else None
+        entry["p50_ratio_vs_one_stream"] = _ratio(entry["p50_token_ms"], one["p50_token_ms"]) if one else None
     return entries
-
-
-def _paired(rates: list[float], baseline: list[float]) -> float:
-    return statistics.median(n / o for n, o in zip(rates, baseline, strict=True))
 
 
 def entropix_metrics_cost(config: BenchConfig, context: int = 64, steps: int = 200) -> dict[str, Any]:
@@ -611,7 +606,11 @@ def _paired_ratio(row: RowResult, base: RowResult | None) -> float | None:
     """Median over repeats of row tokens/s ÷ base tokens/s in the same repeat."""
     if base is None or base.error or row.error:
         return None
-    ours, theirs = row.tokens_per_s(), base.tokens_per_s()
+    return _paired(row.tokens_per_s(), base.tokens_per_s())
+
+
+def _paired(ours: Sequence[float], theirs: Sequence[float]) -> float | None:
+    """Median over repeats of a rate ÷ a baseline's in the same repeat."""
     return _median([a / b for a, b in zip(ours, theirs, strict=False) if b > 0])
 
 
@@ -1005,9 +1004,9 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         if config.concurrency and "model" in clients:
             levels = sorted(set(config.concurrency) | {1})
             measured = ["specwire_greedy"] + [row for row in CONCURRENCY_ROWS if row in config.rows]
-            streams = [(row.removeprefix("specwire_"), clients[row_stack(row, set(clients))], row_params(row, config.gamma))
-                       for row in measured if row_stack(row, set(clients)) in clients]
-            concurrency = concurrency_entries(streams, prompt_ids, levels, config.max_new_tokens, config.repeats, config.seed)
+            strategies = [(row.removeprefix("specwire_"), clients[row_stack(row, set(clients))], row_params(row, config.gamma))
+                          for row in measured if row_stack(row, set(clients)) in clients]
+            concurrency = concurrency_entries(strategies, prompt_ids, levels, config.max_new_tokens, config.repeats, config.seed)
         metadata: dict[str, Any] = {
             "schema": SCHEMA,
             "command": home_as_tilde(config.command) if config.command else config.command,
