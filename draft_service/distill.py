@@ -152,6 +152,8 @@ def add_parser(commands: Any) -> None:
     scratch_flags = parser.add_argument_group("a new draft over a trimmed vocabulary, from a teacher cache")
     scratch_flags.add_argument("--from-scratch", action="store_true", help="build a new draft instead of --draft")
     scratch_flags.add_argument("--init", help="a draft of --from-scratch to train further (its shape and vocabulary)")
+    scratch_flags.add_argument("--grow-layers", type=int, default=0,
+                               help="with --init: that draft deepened to this many layers (a multiple), computing what it did")
     scratch_flags.add_argument("--layers", type=int, default=4)
     scratch_flags.add_argument("--hidden", type=int, default=384, help="width (heads of 64)")
     scratch_flags.add_argument("--vocab-top", type=int, default=16384, help="K: the target's most frequent ids kept")
@@ -175,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
     if args.from_scratch == (args.draft is not None):
         raise SystemExit("give exactly one of --draft (distil an existing draft) and --from-scratch")
+    if args.grow_layers and not args.init:
+        raise SystemExit("--grow-layers deepens the draft of --init: give --init too")
     if args.init and not args.from_scratch:
         raise SystemExit("--init trains a draft of --from-scratch further: give --from-scratch too")
     if args.from_scratch:

@@ -12,6 +12,7 @@ no teacher forward). Held-out α, greedy agreement and KL come from the cache's 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -83,6 +84,34 @@ def new_draft(shape: DraftShape, vocab: TrimmedVocab, target_config: Any, max_po
         eos_token_id=getattr(target_config, "eos_token_id", None),
     )
     return LlamaForCausalLM(config)
+
+
+def deepen(model: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
+    """`model` at `layers` layers, a multiple of its own: each layer followed by copies whose output
+    projections (attention's and the MLP's) are zero, so it computes what `model` does until
+    trained (function-preserving growth: Net2Net, Chen et al. 2016; depth up-scaling by copied
+    layers, SOLAR, Kim et al. 2023)."""
+    config = copy.deepcopy(model.config)
+    factor, rest = divmod(layers, config.num_hidden_layers)
+    if rest or factor < 1:
+        raise SystemExit(f"--grow-layers {layers}: must be a multiple of the draft's {config.num_hidden_layers} layers")
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = [kind for kind in config.layer_types for _ in range(factor)]
+    grown = LlamaForCausalLM(config)
+    state: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        if not key.startswith("model.layers."):
+            state[key] = value
+            continue
+        _, _, index, name = key.split(".", 3)
+        for copy_index in range(factor):
+            silent = copy_index > 0 and name in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+            state[f"model.layers.{int(index) * factor + copy_index}.{name}"] = (
+                torch.zeros_like(value) if silent else value.clone())
+    grown.load_state_dict(state)
+    grown.generation_config = model.generation_config
+    return grown
 
 
 def load_draft(directory: Path) -> tuple[LlamaForCausalLM, TrimmedVocab]:
@@ -157,8 +186,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     target_config = AutoConfig.from_pretrained(str(target))
     generation = GenerationConfig.from_pretrained(str(target))
     target_config.eos_token_id = generation.eos_token_id or target_config.eos_token_id
-    if args.init:  # a draft of this kind, trained further: its vocabulary and shape stay
+    if args.init:  # a draft of this kind, trained further: its vocabulary stays, its shape unless grown
         model, vocab = load_draft(Path(args.init))
+        if args.grow_layers:
+            model = deepen(model, args.grow_layers)
         config: Any = model.config
         shape = DraftShape(config.num_hidden_layers, config.hidden_size, len(vocab.ids), config.num_key_value_heads)
     else:

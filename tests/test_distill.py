@@ -132,6 +132,35 @@ def test_distill_init_trains_a_scratch_draft_further_on_the_target_own_text(llam
     assert (second / "draft_vocab.json").read_text() == (first / "draft_vocab.json").read_text()
     assert after["before"] == before["after"]  # it starts where the first run ended
     assert after["after"]["kl"] < after["before"]["kl"]
+    # Deepened (`--grow-layers`): twice the layers, starting from what the first draft computes.
+    deeper = tmp_path / "deeper"
+    assert cli_main(["distill", "--from-scratch", "--init", str(first), "--grow-layers", "2", "--out", str(deeper),
+                     "--teacher-cache", str(tmp_path / "c1"), *common, "--steps", "30", "--lr", "5e-3"]) == 0
+    grown = json.loads((deeper / "distill_report.json").read_text())
+    assert grown["shape"] == before["shape"] | {"layers": 2} and grown["before"] == before["after"]
+    assert grown["after"]["kl"] < grown["before"]["kl"]
+
+
+def test_a_deepened_draft_computes_what_it_did_and_its_copies_can_learn(llama_target_dir: Path) -> None:
+    """`deepen`: 2 → 4 layers with the same logits; each copy keeps its layer's input weights (so
+    training moves it at once) and only its output projections start at zero; 3 is refused."""
+    from specwire.draft_service.scratch import DraftShape, deepen, new_draft
+    from transformers import AutoConfig
+
+    from specwire.engine.trimmed_vocab import TrimmedVocab
+
+    config = AutoConfig.from_pretrained(str(llama_target_dir))
+    vocab = TrimmedVocab(config.vocab_size, tuple(range(24)), fallback=1)
+    model = new_draft(DraftShape(layers=2, hidden=64, vocab_top=24), vocab, config, 64, seed=3).eval()
+    grown = deepen(model, 4).eval()
+    ids = torch.tensor([[1, 5, 9, 2, 17, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(grown(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=1e-5)
+    layers = grown.model.layers
+    assert len(layers) == 4 and torch.equal(layers[3].self_attn.q_proj.weight, model.model.layers[1].self_attn.q_proj.weight)
+    assert not layers[3].mlp.down_proj.weight.any() and layers[2].mlp.down_proj.weight.any()
+    with pytest.raises(SystemExit, match="multiple"):
+        deepen(model, 3)
 
 
 def test_pair_keeps_a_first_draft_built_before_self_text_as_its_base(tmp_path: Path) -> None:
