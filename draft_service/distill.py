@@ -151,7 +151,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--eval-windows", type=int, default=64, help="held-out windows α is measured on (--draft)")
     scratch_flags = parser.add_argument_group("a new draft over a trimmed vocabulary, from a teacher cache")
     scratch_flags.add_argument("--from-scratch", action="store_true", help="build a new draft instead of --draft")
-    scratch_flags.add_argument("--init", help="a draft of --from-scratch to train further (its shape and vocabulary)")
+    scratch_flags.add_argument("--init", help="a draft of --from-scratch to train further (its vocabulary, and its shape unless --grow-layers)")
     scratch_flags.add_argument("--grow-layers", type=int, default=0,
                                help="with --init: that draft deepened to this many layers (a multiple), computing what it did")
     scratch_flags.add_argument("--layers", type=int, default=4)
