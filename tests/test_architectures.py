@@ -410,21 +410,33 @@ def test_the_row_attention_kernel_equals_sdpa_over_each_rows_keys(heads: int, kv
         assert not out[b, :, tokens:].any()
 
 
-def test_row_attention_compiled_reads_its_output_as_eager_does() -> None:
+@pytest.mark.parametrize("operator", ["python", "kernel"])
+def test_row_attention_compiled_reads_its_output_as_eager_does(operator: str) -> None:
     """The op's output takes the query's layout (a transposed view in the forward), as its fake
-    implementation tells the compiler; code compiled around it reads the same numbers eager does."""
+    implementation tells the compiler; code compiled around it reads the same numbers eager does.
+    Both operators: the Python one, and `row_attention.cpp`'s own (what the forward calls where it
+    builds), which gives the Python one's bits."""
+    from specwire.engine.forward import _row_kernel
+
+    if operator == "kernel" and not _row_kernel():
+        pytest.skip("row_attention.cpp does not build here")
     torch.manual_seed(0)
     rows, span, heads, dim, width = 3, 5, 4, 64, 128
     query = torch.randn(rows, span, heads, dim)  # [B, T, H, D], as projected
     keys, values = torch.randn(rows, 1, width, dim), torch.randn(rows, 1, width, dim)
-    mask = torch.ones(rows, 1, span, width, dtype=torch.bool)
+    mask = torch.ones(1, 1, span, width, dtype=torch.bool)  # broadcast over the rows
     extents = torch.tensor([[5, 100], [2, 60], [5, 128]])
 
-    def attend(query: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.specwire.row_attention(query.transpose(1, 2), keys, values, mask, extents, 0.125, True)
+    def attend(query: torch.Tensor, operator: str = operator) -> torch.Tensor:
+        query = query.transpose(1, 2)
+        if operator == "kernel":
+            out = torch.ops.specwire.row_attention_kernel(query, keys, values, mask, extents, 0.125, None)
+        else:
+            out = torch.ops.specwire.row_attention(query, keys, values, mask, extents, 0.125, True)
         return out.transpose(1, 2).flatten(2) * 2
 
     assert torch.equal(torch.compile(attend, fullgraph=True)(query), attend(query))
+    assert torch.equal(attend(query), attend(query, "python"))
 
 
 @pytest.mark.parametrize("out_features", [64, 256, 1024])

@@ -186,9 +186,29 @@ torch::Tensor row_attention(const torch::Tensor& query, const torch::Tensor& key
   return out;
 }
 
+// The operator's form: the mask broadcast over the batch here, as the Python op does.
+torch::Tensor row_attention_op(const torch::Tensor& query, const torch::Tensor& keys, const torch::Tensor& values,
+                               const torch::Tensor& mask, const torch::Tensor& extents, double scale,
+                               const std::optional<torch::Tensor>& rows) {
+  return row_attention(query, keys, values, mask.expand({query.size(0), 1, query.size(2), keys.size(2)}), extents,
+                       scale, rows);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("init_threads", &at::internal::lazy_init_num_threads);  // as in w4a8.cpp
   m.def("row_attention", &row_attention);
+}
+
+// As a torch operator (`torch.ops.specwire.row_attention_kernel`), so that a compiled graph calls
+// it through the dispatcher, with no Python between (as w4a8.cpp's); its shape for the compiler
+// is in forward.py.
+TORCH_LIBRARY_FRAGMENT(specwire, m) {
+  m.def("row_attention_kernel(Tensor query, Tensor keys, Tensor values, Tensor mask, Tensor extents, float scale, "
+        "Tensor? rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specwire, CPU, m) {
+  m.impl("row_attention_kernel", &row_attention_op);
 }
