@@ -19,7 +19,6 @@ are hand-written forwards of the same contract for Llama/Qwen2 and GPT-2.
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -339,15 +338,20 @@ def _sdpa_one_thread(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 
 @torch.compiler.assume_constant_result
-@functools.cache
 def _row_kernel() -> bool:
     """Whether `row_attention.cpp` builds here; then its operator `specwire::row_attention_kernel`
     (compiled code calls it with no Python between: ~7 µs less a call than the Python op) has its
-    shape for the compiler registered."""
-    built = kernels.available("row_attention")
-    if built:
-        torch.library.register_fake("specwire::row_attention_kernel")(_row_kernel_shape)
-    return built
+    shape for the compiler registered. A module flag, not `functools.cache`: dynamo traces through
+    a cache's wrapper, and this function's body does not trace."""
+    global _ROW_KERNEL
+    if _ROW_KERNEL is None:
+        _ROW_KERNEL = kernels.available("row_attention")
+        if _ROW_KERNEL:
+            torch.library.register_fake("specwire::row_attention_kernel")(_row_kernel_shape)
+    return _ROW_KERNEL
+
+
+_ROW_KERNEL: bool | None = None
 
 
 def _row_kernel_shape(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
