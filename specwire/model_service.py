@@ -12,10 +12,12 @@ context the message carries, and counted in the service's metrics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 from opentelemetry.trace import Span, SpanKind
@@ -157,6 +159,7 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         kind = message.WhichOneof("kind")
         request: OpenRequest | StepRequest
         handler: Callable[..., object]
+        post: Callable[..., bool] | None = None  # a lone step straight to the forward thread (`_run`)
         if kind == "open":
             if opened:
                 raise InvalidArgument("open", "a session is opened once; later messages must be `step`")
@@ -165,11 +168,12 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             if not opened:
                 raise InvalidArgument("step", "the first message of a session must be `open`")
             request, handler = wire.step_from_pb(message.step), session.step
+            post = getattr(session, "post", None)
         else:
             raise InvalidArgument("kind", "a session message must carry `open` or `step`")
         span = self._start_span(kind, request) if self.tracing is not None else None
         try:
-            reply = await self._run(handler, request, self._executor_for())
+            reply = await self._run(handler, request, self._executor_for(), post)
         except BaseException as error:  # a cancelled stream too: the span must still end
             if span is not None:
                 telemetry.record_error(span, error)
@@ -213,8 +217,14 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         return self.session_executor if batches else self.executor
 
     async def _run(
-        self, handler: Callable[..., object], request: object, executor: ThreadPoolExecutor
+        self,
+        handler: Callable[..., object],
+        request: object,
+        executor: ThreadPoolExecutor,
+        post: Callable[..., bool] | None = None,
     ) -> model_pb2.SessionReply:
+        """`handler(request)` as a reply, on `executor`; or through `post` (`EngineSession.post`)
+        where the session takes it: run on the forward thread, its reply handed to this loop."""
         enqueued = time.perf_counter()
 
         def job() -> model_pb2.SessionReply:
@@ -225,5 +235,25 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             reply.timing.compute_us = int((time.perf_counter() - started) * 1e6)
             return reply
 
-        return await asyncio.get_running_loop().run_in_executor(executor, job)
+        loop = asyncio.get_running_loop()
+        if post is not None:
+            future: asyncio.Future[model_pb2.SessionReply] = loop.create_future()
 
+            def then(reply: model_pb2.SessionReply | None, error: BaseException | None) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop closed: nobody awaits the reply
+                    loop.call_soon_threadsafe(_settle, future, reply, error)
+
+            if post(job, then):
+                return await future
+        return await loop.run_in_executor(executor, job)
+
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    """On the loop: `future` takes `result`, or `error`, unless its awaiter has gone."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

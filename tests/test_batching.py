@@ -27,7 +27,7 @@ from specwire.engine import COST_POSITIONS, CausalLM, Engine, EngineLimits, Slot
 from specwire.engine.forward import FUSED_TOP_K, FusedSampling, fused_draw
 from specwire.engine.scheduler import FUSED_STEPS, ForwardJob, compute_on, score_selection
 from specwire.entropy_metrics import PositionMetrics, token_entropy
-from specwire.errors import ResourceExhausted
+from specwire.errors import InvalidArgument, ResourceExhausted
 from specwire.processing import ProcessingConfig, draw, sampling_probs
 from specwire.session import Extras, OpenRequest, ScoreKind, Scoring, StepRequest
 from tests.conftest import hf_model
@@ -436,6 +436,7 @@ def test_compiled_forward_serves_concurrent_sessions_like_the_eager_one(llama_dr
         time.sleep(0.2)
     # Info's costs are the compiled ones, timed with no compile thread (and its OpenMP pool) alive.
     assert others_compiling == [[]] and not scheduler.compiling and compiled.info().forward_costs
+    assert scheduler.compile_failures == []  # a failed shape would serve eagerly, with the same outputs
     assert compiled.cache is not None and compiled.cache.usage().rows_in_use == 0
 
     # Plain greedy and fusable sampled rounds run up to FUSED_STEPS steps per compiled call (alone,
@@ -644,3 +645,47 @@ def test_calls_run_on_the_forward_thread_between_forwards(llama_target_dir: Path
     with pytest.raises(ValueError, match="drafting failed"):
         scheduler.call(fails)
     assert decode(0) == alone[0]  # the forward thread goes on
+
+
+def test_a_lone_sessions_posted_step_runs_on_the_forward_thread(llama_target_dir: Path) -> None:
+    """`EngineSession.post` (a service's lone step): the step runs on the forward thread and its
+    result, or its error, reaches the continuation there; a continuation that raises leaves that
+    thread serving. Beside another session's rows it posts nothing."""
+    backend = engine(llama_target_dir, batching=True)
+    request = StepRequest(append_ids=[3], propose=6, propose_greedy=True, propose_ids_only=True)
+    solo = backend.new_session()
+    solo.open(OpenRequest(prompt_ids=[4, 5, 9]))
+    expected = solo.step(request).proposed_ids
+    solo.close()
+
+    def posted(session: Any, work: Any) -> tuple[Any, BaseException | None, str]:
+        outcome: list[tuple[Any, BaseException | None, str]] = []
+        done = threading.Event()
+
+        def then(result: Any, error: BaseException | None) -> None:
+            outcome.append((result, error, threading.current_thread().name))
+            done.set()
+
+        assert session.post(work, then)
+        assert done.wait(60)
+        return outcome[0]
+
+    session = backend.new_session()
+    session.open(OpenRequest(prompt_ids=[4, 5, 9]))
+    result, error, thread = posted(session, lambda: session.step(request))
+    assert error is None and thread == "specwire-forward"
+    assert torch.equal(result.proposed_ids, expected)
+    bad = StepRequest(keep_tokens=99)
+    result, error, _ = posted(session, lambda: session.step(bad))
+    assert result is None and isinstance(error, InvalidArgument) and error.field == "keep_tokens"
+
+    def raising(result: Any, error: BaseException | None) -> None:
+        raise RuntimeError("a broken continuation")
+
+    assert session.post(lambda: None, raising)
+    other = backend.new_session()  # the forward thread still serves
+    other.open(OpenRequest(prompt_ids=[4, 5, 9]))
+    assert not session.post(lambda: None, raising)  # beside other's rows: the caller runs it
+    assert torch.equal(other.step(request).proposed_ids, expected)
+    other.close()
+    session.close()

@@ -143,13 +143,22 @@ class _Call:
     result: Any = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    then: Callable[[Any, BaseException | None], None] | None = None  # `Scheduler.post`'s
 
     def run(self) -> None:
-        """The work; `done` is the caller's to set."""
+        """The work; `finish` is the caller's to call."""
         try:
             self.result = self.work()
         except BaseException as error:  # the caller raises it; the forward thread goes on
             self.error = error
+
+    def finish(self) -> None:
+        self.done.set()
+        if self.then is not None:
+            try:
+                self.then(self.result, self.error)
+            except Exception:  # the poster's bug: the forward thread goes on
+                log.exception("a posted call's continuation")
 
 
 @dataclass
@@ -185,6 +194,7 @@ class Scheduler:
         self._queue: list[ForwardJob] = []
         self._calls: list[_Call] = []  # `call`s waiting for the forward thread
         self._worker: threading.Thread | None = None  # runs every forward (`_run_forwards`)
+        self.compile_failures: list[Shape] = []  # shapes served eagerly: their compile raised
         self._exiting = False  # the interpreter is exiting: the forward thread ends now (`_end_forward_threads`)
         _SCHEDULERS.add(self)
         self._threads = torch.get_num_threads()  # the forward thread's, as set where the engine is made
@@ -341,6 +351,7 @@ class Scheduler:
             try:
                 self._compile_shape(shape)
             except Exception as error:  # that shape stays eager
+                self.compile_failures.append(shape)
                 log.warning("torch.compile failed for %s, served eagerly: %s: %s", shape, type(error).__name__, error)
 
     def _when_gone(self, compiler: threading.Thread, on_ready: Callable[[], None]) -> None:
@@ -504,6 +515,15 @@ class Scheduler:
             raise waiting.error
         return cast(T, waiting.result)
 
+    def post(self, work: Callable[[], T], then: Callable[[T | None, BaseException | None], None]) -> None:
+        """`call` without a thread waiting for it: `then(result, error)` runs on the forward
+        thread once `work` has. An event loop hands a step straight to that thread this way,
+        saving a thread of its own the wake-ups at both ends (~0.1 ms each)."""
+        with self._mutex:
+            self._calls.append(_Call(work, then=then))
+            self._arrived.notify_all()
+            self._start_worker()
+
     def _start_worker(self) -> None:
         """Under `_mutex`: start the forward thread unless it runs."""
         if self._worker is None:
@@ -568,7 +588,7 @@ class Scheduler:
             with self._mutex:  # awaited before its owner can send the job
                 if waiting.owner is not None and waiting.error is None:
                     self._awaited.add(id(waiting.owner))
-            waiting.done.set()
+            waiting.finish()
 
     def _execute_batch(self, batch: list[ForwardJob]) -> None:
         """Forward `batch`; the jobs whose rounds go on are queued again, before any newer."""
@@ -628,7 +648,7 @@ class Scheduler:
                     self._worker = None
                     for waiting in self._calls:  # exiting: they fail rather than hang
                         waiting.error = RuntimeError("scheduler: the forward thread ended")
-                        waiting.done.set()
+                        waiting.finish()
                     self._calls = []
                     return
                 if self._awaited and not self._calls:

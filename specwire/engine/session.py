@@ -154,6 +154,12 @@ class SessionKV(Protocol):
         (sessions that share forwards hand their jobs in)."""
         ...
 
+    def post(self, work: Callable[[], T], then: Callable[[T | None, BaseException | None], None]) -> bool:
+        """While no other session holds rows: `work()` queued where the forwards compute, and
+        `then(result, error)` called there after it (`Scheduler.post`); else False, and nothing
+        queued (the caller runs `work` on a thread of its own)."""
+        ...
+
     def take_load(self) -> tuple[int, list[tuple[int, float]], list[tuple[int, float]]]:
         """The rows of the largest batched forward since the last call, and what a forward of
         that many rows, and of one row, costs by its width (`ServerTiming.batch_costs`,
@@ -266,6 +272,9 @@ class DynamicKV:
 
     def compute_step(self, work: Callable[[], T]) -> T:
         return work()
+
+    def post(self, work: Callable[[], T], then: Callable[[T | None, BaseException | None], None]) -> bool:
+        return False
 
     def take_load(self) -> tuple[int, list[tuple[int, float]], list[tuple[int, float]]]:
         return 0, [], []
@@ -447,6 +456,12 @@ class SlotKV:
             return work()
         return self.scheduler.call(work)
 
+    def post(self, work: Callable[[], T], then: Callable[[T | None, BaseException | None], None]) -> bool:
+        if self.cache.rows_in_use() > len(self.rows):
+            return False
+        self.scheduler.post(work, then)
+        return True
+
     def take_load(self) -> tuple[int, list[tuple[int, float]], list[tuple[int, float]]]:
         """Curves only where they say something new (`ServerTiming.batch_costs`): above one row,
         when the rows changed or every LOAD_REFRESH replies."""
@@ -504,6 +519,11 @@ class EngineSession:
         # Alone, the whole step runs where its forwards do: no hand-off between threads at each
         # forward, and its own work (argmax, warping, acceptance) on that thread's cores.
         return self._with_load(self.kv.compute_step(lambda: self._step(request)))
+
+    def post(self, work: Callable[[], T], then: Callable[[T | None, BaseException | None], None]) -> bool:
+        """`work` (this session's `step`, say) run where the forwards compute, `then` after it,
+        with no thread waiting, while the session is alone (`SessionKV.post`); else False."""
+        return self.kv.post(work, then)
 
     def _with_load(self, result: StepResult) -> StepResult:
         timing = result.timing
