@@ -248,7 +248,6 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
         return await loop.run_in_executor(executor, job)
 
 
-
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
     """On the loop: `future` takes `result`, or `error`, unless its awaiter has gone."""
     if future.done():

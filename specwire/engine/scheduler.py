@@ -517,8 +517,9 @@ class Scheduler:
 
     def post(self, work: Callable[[], T], then: Callable[[T | None, BaseException | None], None]) -> None:
         """`call` without a thread waiting for it: `then(result, error)` runs on the forward
-        thread once `work` has. An event loop hands a step straight to that thread this way,
-        saving a thread of its own the wake-ups at both ends (~0.1 ms each)."""
+        thread once `work` has. An event loop hands a lone step straight to that thread this way,
+        with no thread of its own to wake at either end (the served Gemma-3-270M pair's
+        speculation: 186.7 against 171.0 tok/s, docs/engine.md)."""
         with self._mutex:
             self._calls.append(_Call(work, then=then))
             self._arrived.notify_all()
