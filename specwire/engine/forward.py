@@ -192,7 +192,7 @@ def _attend(
         scores_out.append(_chosen_scores(query, keys, batch, scaling))
     if fused:
         mask = mask if mask is not None else batch.key_mask.unsqueeze(1)
-        if query.dtype == torch.float32 and query.device.type == "cpu" and _row_kernel():
+        if _kernel_takes(query):
             out = torch.ops.specwire.row_attention_kernel(query, keys, values, mask, batch.extents, scaling, in_place)
         else:
             out = torch.ops.specwire.row_attention(query, keys, values, mask, batch.extents, scaling, gqa, in_place)
@@ -244,7 +244,7 @@ def row_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     (over the rows), whichever is fewer. An opaque op to the compiler: the loop reads the
     extents' values. `rows` [B]: keys/values are the cache's rows, batch row b reads rows[b]."""
     B, _, T, _ = query.shape
-    if query.dtype == torch.float32 and query.device.type == "cpu" and kernels.available("row_attention"):
+    if _kernel_takes(query):
         return cast(torch.Tensor, torch.ops.specwire.row_attention_kernel(query, keys, values, mask, extents, scale, rows))
     if rows is not None:
         keys, values = keys.index_select(0, rows), values.index_select(0, rows)
@@ -352,6 +352,12 @@ def _row_kernel() -> bool:
 
 
 _ROW_KERNEL: bool | None = None
+
+
+def _kernel_takes(query: torch.Tensor) -> bool:
+    """Whether `row_attention.cpp`'s operator computes this attention: float32 on a CPU, where
+    the kernel builds."""
+    return query.dtype == torch.float32 and query.device.type == "cpu" and _row_kernel()
 
 
 def _row_kernel_shape(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,

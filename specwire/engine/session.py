@@ -452,15 +452,19 @@ class SlotKV:
 
     def compute_step(self, work: Callable[[], T]) -> T:
         # A session that arrives meanwhile is served by the same forwards (`_run_here`).
-        if self.cache.rows_in_use() > len(self.rows):
+        if not self._alone():
             return work()
         return self.scheduler.call(work)
 
     def post(self, work: Callable[[], T], then: Callable[[T | None, BaseException | None], None]) -> bool:
-        if self.cache.rows_in_use() > len(self.rows):
+        if not self._alone():
             return False
         self.scheduler.post(work, then)
         return True
+
+    def _alone(self) -> bool:
+        """No other session holds cache rows."""
+        return self.cache.rows_in_use() <= len(self.rows)
 
     def take_load(self) -> tuple[int, list[tuple[int, float]], list[tuple[int, float]]]:
         """Curves only where they say something new (`ServerTiming.batch_costs`): above one row,
