@@ -55,9 +55,16 @@ def accept_drafts(
     if gamma:
         drafted = (accepted_len < gamma).unsqueeze(-1)  # [B, 1]
         q_next = torch.where(drafted, draft_probs[rows, accepted_len.clamp_max(gamma - 1)], q_next)
-    next_dist = residual_distribution(target_probs[rows, accepted_len], q_next)  # [B, V]
-    next_token = draw(next_dist, generator)  # [B]
+    next_token = draw(_residual_mass(target_probs[rows, accepted_len], q_next), generator)  # [B]
     return accepted_len, next_token
+
+
+def _residual_mass(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """`residual_distribution` before its division: `draw` scales its uniform by each row's
+    total, so the draw follows the same distribution, and every entry is p − q itself, equal on
+    any set of columns that holds the mass (`accept_draft_sparse`). [..., vocab]."""
+    residual = (target_probs - draft_probs).clamp_min(0.0)
+    return torch.where((residual > 0).any(dim=-1, keepdim=True), residual, target_probs)
 
 
 def accept_draft(
@@ -68,6 +75,34 @@ def accept_draft(
         draft_tokens.unsqueeze(0), draft_probs.unsqueeze(0), target_probs.unsqueeze(0), generator
     )
     return int(accepted_len[0]), int(next_token[0])
+
+
+def accept_draft_sparse(
+    draft_tokens: torch.Tensor,
+    draft_ids: torch.Tensor,
+    draft_values: torch.Tensor,
+    target_ids: torch.Tensor,
+    target_values: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """`accept_draft` on sparse rows, to the bit: the same rule on the columns where p or q has
+    mass alone. Every comparison reads the same entries, and the draw's float64 running sums
+    meet the same non-zero entries in the same id order (a zero adds exactly nothing).
+    draft_tokens [γ]; draft_ids/values q [γ, k], target_ids/values p [γ+1, n]: ids distinct in
+    a row, −1 where a row is padded."""
+    columns = torch.cat([draft_ids.flatten(), target_ids.flatten(), draft_tokens.flatten()]).long()
+    columns = columns[columns >= 0].unique()  # sorted ascending
+
+    def narrow(ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:  # [rows, len(columns)]
+        ids = ids.long()
+        at = torch.where(ids >= 0, torch.searchsorted(columns, ids.clamp_min(0)), len(columns))  # padding: a spare column
+        out = values.new_zeros((ids.shape[0], len(columns) + 1)).float()
+        return out.scatter_(-1, at, values.float())[:, :-1]
+
+    drafted = torch.searchsorted(columns, draft_tokens.long())
+    accepted_len, next_column = accept_draft(drafted, narrow(draft_ids, draft_values), narrow(target_ids, target_values),
+                                             generator)
+    return accepted_len, int(columns[next_column])
 
 
 def accept_tree_sampled(

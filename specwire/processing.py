@@ -280,8 +280,23 @@ def _cumulative_of_mass(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def sampling_probs(logits: torch.Tensor, history: torch.Tensor, config: ProcessingConfig) -> torch.Tensor:
     """The distribution sampling draws from: softmax(warp(penalize(logits))). [rows, vocab]."""
     scores = apply_penalties(logits.float(), history, config)
-    probs = _top_k_sampling_probs(scores, config)
-    return probs if probs is not None else apply_warpers(scores, config).softmax(dim=-1)
+    few = _top_k_sampling_probs(scores, config)
+    if few is None:
+        return apply_warpers(scores, config).softmax(dim=-1)
+    if isinstance(few, torch.Tensor):
+        return few
+    ids, probs = few
+    return probs.new_zeros(scores.shape).scatter_(-1, ids, probs)
+
+
+def sparse_sampling_probs(
+    logits: torch.Tensor, history: torch.Tensor, config: ProcessingConfig
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`sampling_probs` as each row's candidate ids (ascending) and their probabilities, both
+    [rows, n], every other id 0, to the bit; None where only the dense rows are certain (no
+    top-k, min-p, or a case `_top_k_sampling_probs` declines)."""
+    few = _top_k_sampling_probs(apply_penalties(logits.float(), history, config), config)
+    return few if isinstance(few, tuple) else None
 
 
 # Ids `_top_k_sampling_probs` takes beyond top-k's k: room for scores tied with the k-th, and
@@ -289,13 +304,16 @@ def sampling_probs(logits: torch.Tensor, history: torch.Tensor, config: Processi
 _CANDIDATE_MARGIN = 16
 
 
-def _top_k_sampling_probs(scores: torch.Tensor, config: ProcessingConfig) -> torch.Tensor | None:
+def _top_k_sampling_probs(
+    scores: torch.Tensor, config: ProcessingConfig
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """`softmax(apply_warpers(scores))` to the bit from each row's k + _CANDIDATE_MARGIN largest
     scores alone, or None where that is not certain: a score NaN or +inf, T ≤ 0 or one that
     overflows a score, a tie reaching the last candidate, a top-p cut inside a tie. s → s / T is
     monotone, so top-k of the raw scores picks the ids top-k of the warped picks. Warping a whole
     262,144-id row costs 2.8 ms here; this, 0.46 ms (`largest`, then one softmax), and with the
-    softmax over the candidates' blocks alone (`_softmax_of_few`), less."""
+    softmax over the candidates' blocks alone (`_softmax_of_few`), less. Without min-p, the
+    candidates' ids (ascending) and probabilities [rows, n]; with it, the dense rows."""
     rows, vocab = scores.shape
     t = config.temperature
     k = min(max(config.top_k, config.min_tokens_to_keep), vocab)
@@ -325,18 +343,18 @@ def _top_k_sampling_probs(scores: torch.Tensor, config: ProcessingConfig) -> tor
     return _softmax_of_few(ids, values, vocab)
 
 
-def _softmax_of_few(ids: torch.Tensor, values: torch.Tensor, vocab: int) -> torch.Tensor:
+def _softmax_of_few(ids: torch.Tensor, values: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The softmax of [rows, vocab] rows that are −inf but at `ids` ([rows, n], distinct in a
-    row), to the bit, from n blocks of _LANE_ALIGN: the row's i-th smallest id sits in block i at
-    its own offset modulo _LANE_ALIGN, so the vectorised sum adds every value in the lane and
-    order the whole row would (the rest are exact zeros). 11,008 columns for 43 ids, not 262,144."""
+    row), to the bit, as those ids sorted and their probabilities [rows, n]; from n blocks of
+    _LANE_ALIGN: the row's i-th smallest id sits in block i at its own offset modulo _LANE_ALIGN,
+    so the vectorised sum adds every value in the lane and order the whole row would (the rest
+    are exact zeros). 11,008 columns for 43 ids, not 262,144."""
     rows, count = ids.shape
     ids, order = ids.sort(dim=-1)
     values = values.gather(-1, order)
     columns = torch.arange(count, device=ids.device) * _LANE_ALIGN + ids % _LANE_ALIGN  # [rows, n]
     blocks = values.new_full((rows, count * _LANE_ALIGN), NEG_INF).scatter_(-1, columns, values)
-    probs = blocks.softmax(dim=-1).gather(-1, columns)  # [rows, n]
-    return values.new_zeros((rows, vocab)).scatter_(-1, ids, probs)
+    return ids, blocks.softmax(dim=-1).gather(-1, columns)  # [rows, n] each
 
 
 def largest(scores: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,8 +18,10 @@ from specwire.orchestrator.speculative import sparse_draft_probs
 from specwire.v1 import common_pb2, model_pb2, model_pb2_grpc
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specwire import acceptance
 from specwire.acceptance import accept_draft, accept_tree_sampled
 from specwire.engine import CausalLM, Engine
+from specwire.engine import session as engine_session
 from specwire.errors import InvalidArgument
 from specwire.medusa import tree_path
 from specwire.processing import ProcessingConfig
@@ -269,6 +271,48 @@ def test_a_sampled_round_at_gamma_4_with_a_262k_vocabulary_sends_under_64_kb(
           f"{dense.bytes_per_round:.0f} dense ({dense.bytes_per_round / stats.bytes_per_round:.0f}×); auto γ: "
           f"{auto.bytes_per_round:.0f} ({auto.speculation_off_rounds} target-only rounds of {auto.rounds})")
     assert dense.bytes_per_round > 100 * stats.bytes_per_round and dense.bytes_per_round > BIG_VOCAB * 4
+
+
+@pytest.fixture(scope="module")
+def big_vocab_engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    target_dir = save_big_vocab_llama(tmp_path_factory.mktemp("big-vocab-engine") / "target", 1)
+    return Engine(CausalLM.load(str(target_dir), device="cpu", dtype="float32"), "target")
+
+
+def test_a_top_k_round_at_a_262k_vocabulary_is_decided_sparse_exactly_as_the_pure_function_on_dense_p(
+    big_vocab_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    warped = ProcessingConfig(temperature=0.8, top_k=20, top_p=0.95)
+    prompt = [3, 1000, 200_000, 7]
+    sparse_rounds: list[int] = []
+    monkeypatch.setattr(engine_session, "accept_draft_sparse",
+                        lambda *args: sparse_rounds.append(1) or acceptance.accept_draft_sparse(*args))
+    outcomes = set()
+    for seed in range(10):
+        drafting = big_vocab_engine.new_session()  # q: the model itself at other warpers, near p
+        drafting.open(OpenRequest(prompt, ProcessingConfig(temperature=1.0, top_k=2 + seed % 3)))
+        proposed = drafting.step(StepRequest(propose=4, propose_seed=seed))
+        drafting.close()
+        assert proposed.proposed_ids is not None and proposed.proposal_scores is not None
+        drafts, q = proposed.proposed_ids[0].tolist(), proposed.proposal_scores
+        assert q.sparse_ids is not None  # the draft's q travels sparse
+        scoring = Scoring(ScoreKind.PROBS, positions=len(drafts) + 1)
+        scored = big_vocab_engine.new_session()
+        scored.open(OpenRequest(prompt, warped))
+        scores = scored.step(StepRequest(append_ids=drafts, scoring=scoring)).scores
+        scored.close()
+        assert scores is not None
+        p, dense_q = scores.to_dense(BIG_VOCAB, 0.0), q.to_dense(BIG_VOCAB, 0.0)
+        expected = accept_draft(torch.tensor(drafts), dense_q, p, torch.Generator().manual_seed(seed))
+        verifying = big_vocab_engine.new_session()
+        verifying.open(OpenRequest(prompt, warped))
+        result = verifying.step(StepRequest(append_ids=drafts, scoring=scoring, verify=Verification(q, seed)))
+        verifying.close()
+        assert result.verdict is not None
+        assert (result.verdict.accepted_len, result.verdict.next_token) == expected
+        outcomes.add(expected[0])
+    assert len(sparse_rounds) == 10, "the sparse decision was not taken"
+    assert len(outcomes) > 1, "every round ended alike: the comparison would miss a wrong acceptance"
 
 
 def test_a_proposal_asked_for_ids_only_draws_the_same_tokens_without_their_probabilities(engine: Engine) -> None:
