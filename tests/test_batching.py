@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,9 @@ from specwire.orchestrator.generation import Decoder
 from specwire.orchestrator.models import LocalModel
 
 from specwire.engine import COST_POSITIONS, CausalLM, Engine, EngineLimits, SlotKV, kernels, scheduler
+from specwire.engine import session as engine_session
 from specwire.engine.forward import FUSED_TOP_K, FusedSampling, fused_draw
-from specwire.engine.scheduler import FUSED_STEPS, ForwardJob, compute_on, score_selection
+from specwire.engine.scheduler import FUSED_STEPS, ForwardJob, JobSampling, compute_on, score_selection
 from specwire.entropy_metrics import PositionMetrics, token_entropy
 from specwire.errors import InvalidArgument, ResourceExhausted
 from specwire.processing import ProcessingConfig, draw, sampling_probs
@@ -370,7 +372,9 @@ def test_a_re_timing_that_fails_after_the_compiler_still_ends_compiling(
 
 
 @pytest.mark.timeout(1500)  # compiling every common shape takes minutes on a busy machine
-def test_compiled_forward_serves_concurrent_sessions_like_the_eager_one(llama_draft_dir: Path) -> None:
+def test_compiled_forward_serves_concurrent_sessions_like_the_eager_one(
+    llama_draft_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`--compile on` (CPU: one set of graphs over symbolic shapes), compiling in the background
     as a service does: six sessions at once — greedy and seeded sampling rounds, a repetition
     penalty, two branches, and entropix's attention statistics — choose the tokens their solo
@@ -477,6 +481,46 @@ def test_compiled_forward_serves_concurrent_sessions_like_the_eager_one(llama_dr
     assert {(4, False), (3, False), (2, False), (4, True), (2, True)} <= set(fused_calls)
     assert compiled.cache.usage().rows_in_use == 0
 
+    # A fused call's steps warped and drawn at once (`JobSampling.ahead`): each step's tokens and
+    # probabilities to the bit as one step at a time gives them, on the same compiled logits.
+    ahead_steps: list[int] = []
+
+    @dataclass(frozen=True)
+    class Counted(JobSampling):
+        def __post_init__(self) -> None:
+            inner = self.ahead
+            assert inner is not None
+
+            def counted(logits: torch.Tensor | None) -> None:
+                if logits is not None:
+                    ahead_steps.append(int(logits.shape[1]))
+                inner(logits)
+
+            object.__setattr__(self, "ahead", counted)
+
+    @dataclass(frozen=True)
+    class OneByOne(JobSampling):
+        def __post_init__(self) -> None:
+            object.__setattr__(self, "ahead", None)
+
+    def sampled(kind: type[JobSampling]) -> tuple[list[int], list[torch.Tensor]]:
+        monkeypatch.setattr(engine_session, "JobSampling", kind)
+        session = compiled.new_session()
+        session.open(OpenRequest([(5 * i) % 500 + 1 for i in range(9)], warped))
+        tokens, probs = [], []
+        for seed, count in enumerate((13, 6)):
+            step = session.step(StepRequest(propose=count, propose_greedy=False, propose_seed=seed))
+            assert step.proposed_ids is not None and step.proposal_scores is not None
+            tokens += step.proposed_ids.reshape(-1).tolist()
+            probs.append(step.proposal_scores.to_dense(compiled.info().vocab_size, 0.0))
+        session.close()
+        return tokens, probs
+
+    together, one_by_one = sampled(Counted), sampled(OneByOne)
+    assert together[0] == one_by_one[0] and len(together[0]) == 19
+    assert all(torch.equal(a, b) for a, b in zip(together[1], one_by_one[1], strict=True))
+    assert ahead_steps and max(ahead_steps) == FUSED_STEPS
+
 
 def test_rounds_near_their_end_ride_along_fused_steps_of_longer_ones() -> None:
     """Fused steps run when every job is a fusable step (plain greedy, or sampled with warpers
@@ -484,10 +528,10 @@ def test_rounds_near_their_end_ride_along_fused_steps_of_longer_ones() -> None:
     2; never for a round of penalised sampling, metrics or several new tokens, nor with no such
     half to carry the others."""
     fused, most = scheduler._fused, scheduler.FUSED_STEPS
-    drawn = scheduler.JobSampling(ProcessingConfig(temperature=0.7, top_k=27, top_p=0.9), torch.rand(8, 1))
+    drawn = JobSampling(ProcessingConfig(temperature=0.7, top_k=27, top_p=0.9), torch.rand(8, 1))
 
     def job(left: int, rows: int = 1, tokens: int = 1, greedy: bool = True, metrics: bool = False,
-            sampling: scheduler.JobSampling | None = None) -> ForwardJob:
+            sampling: JobSampling | None = None) -> ForwardJob:
         return ForwardJob(list(range(rows)), torch.zeros((rows, tokens), dtype=torch.long), 4, 1, steps=left,
                           pick=lambda logits: None, fuse_greedy=greedy, want_metrics=metrics, sampling=sampling)
 
@@ -500,8 +544,8 @@ def test_rounds_near_their_end_ride_along_fused_steps_of_longer_ones() -> None:
     assert fused([full, job(8, greedy=False, sampling=drawn)]) == most
     for other in (job(8, greedy=False), job(8, tokens=5), job(8, metrics=True)):
         assert fused([full, other]) == 0
-    assert not scheduler.JobSampling.fusable(ProcessingConfig(temperature=0.7))  # no top-k: the whole row
-    assert not scheduler.JobSampling.fusable(ProcessingConfig(top_k=27, repetition_penalty=1.2))
+    assert not JobSampling.fusable(ProcessingConfig(temperature=0.7))  # no top-k: the whole row
+    assert not JobSampling.fusable(ProcessingConfig(top_k=27, repetition_penalty=1.2))
 
 
 def test_fused_draws_are_the_draws_sampling_makes_with_the_same_uniforms() -> None:

@@ -73,10 +73,13 @@ _caller = threading.local()  # `single`: this thread computes on one thread
 @dataclass(frozen=True)
 class JobSampling:
     """A sampled decode round's warpers and the uniform of each of its draws, [steps, rows]
-    float64: `pick` draws step i with `uniforms[i]`, and fused steps with the same."""
+    float64: `pick` draws step i with `uniforms[i]`, and fused steps with the same. `ahead`, if
+    given, gets a fused call's logits [rows, steps, vocab] before `pick` takes its steps one by
+    one, and None after: warping and drawing every step at once costs what one step does."""
 
     config: ProcessingConfig
     uniforms: torch.Tensor
+    ahead: Callable[[torch.Tensor | None], None] | None = None
 
     @staticmethod
     def fusable(config: ProcessingConfig) -> bool:
@@ -723,13 +726,22 @@ class Scheduler:
         fed itself; True when the round goes on (unfused, from a difference)."""
         assert job.logits is not None  # [rows, steps, vocab or a trimmed draft's K]
         logits, steps = job.logits, int(fed.shape[1])
+        ahead = job.sampling.ahead if job.sampling is not None else None
         going_on = True
-        for step in range(steps):
-            job.logits = logits[:, step : step + 1]
-            job.forwards += 1
-            going_on = self._next_step(job)
-            if not going_on or (step + 1 < steps and not torch.equal(job.tokens, fed[:, step : step + 1])):
-                break
+        try:
+            if ahead is not None:
+                ahead(logits)
+            for step in range(steps):
+                job.logits = logits[:, step : step + 1]
+                job.forwards += 1
+                going_on = self._next_step(job)
+                if not going_on or (step + 1 < steps and not torch.equal(job.tokens, fed[:, step : step + 1])):
+                    break
+        except BaseException as error:  # from `ahead`: the owner raises it
+            job.error, going_on = error, False
+        finally:
+            if ahead is not None:
+                ahead(None)
         for row in job.rows:  # cached: the tokens forwarded and kept (the last chosen is not yet)
             self.cache.lengths[row] = job.start + (0 if going_on else 1)
         return going_on

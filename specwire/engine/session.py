@@ -1053,9 +1053,28 @@ class EngineSession:
         # the same distribution (and argmax) at a 16th of the width (Gemma's 262,144 ids, K 16,384).
         columns = None if self.processing.has_penalties else self.lm.proposable_ids
 
+        ahead: list[tuple[torch.Tensor, torch.Tensor]] = []  # a fused call's steps, warped and drawn at once
+
+        def pick_ahead(logits: torch.Tensor | None) -> None:  # [branches, steps, vocab] (`JobSampling.ahead`)
+            ahead.clear()
+            if logits is None:
+                return
+            if columns is not None and logits.shape[-1] != columns.shape[0]:
+                logits = logits.index_select(-1, columns)
+            steps = min(int(logits.shape[1]), int(uniforms.shape[0]) - len(drawn))
+            flat = logits[:, :steps].transpose(0, 1).flatten(0, 1)  # [steps·branches, K], step-major
+            probs = sampling_probs(flat, self.tokens.to(flat.device), self.processing)  # no penalty reads the history
+            tokens = draw(probs, uniform=uniforms[len(drawn) : len(drawn) + steps].flatten())
+            ahead.extend(zip(probs.unflatten(0, (steps, -1)), tokens.view(steps, -1), strict=True))
+
         def pick(logits: torch.Tensor) -> torch.Tensor | None:  # [branches, vocab] → [branches, 1]
             history = self.tokens.to(logits.device)
             gated = bool(drawn) and min_confidence > 0  # the confidence is only worked out when it can stop
+            if ahead:  # this step's row of `pick_ahead`'s, to the bit: rows are warped and drawn alone
+                probs, token = ahead.pop(0)
+                if not ids_only:
+                    dists.append(probs)
+                return keep(token.unsqueeze(-1), None, gated)
             if columns is not None and logits.shape[-1] != columns.shape[0]:  # the scheduler's are K wide
                 logits = logits.index_select(-1, columns)  # [branches, K]
             if greedy:
@@ -1071,6 +1090,9 @@ class EngineSession:
                 confidence = probs.amax(dim=-1).min() if gated else None
                 if not ids_only:
                     dists.append(probs)
+            return keep(token, confidence, gated)
+
+        def keep(token: torch.Tensor, confidence: torch.Tensor | None, gated: bool) -> torch.Tensor | None:
             if columns is not None:
                 token = columns[token]
             if gated and float(cast(torch.Tensor, confidence)) < min_confidence:
@@ -1085,7 +1107,7 @@ class EngineSession:
 
         plain = greedy and not self.processing.has_penalties and min_confidence <= 0
         fusable = not greedy and min_confidence <= 0 and JobSampling.fusable(self.processing)
-        sampling = JobSampling(self.processing, uniforms) if fusable else None
+        sampling = JobSampling(self.processing, uniforms, pick_ahead) if fusable else None
         self.forward_calls += self.kv.decode(self.tokens, self._uncached_start(1), count, pick, plain,
                                              columns is not None, sampling)
         proposed = torch.cat(drawn, dim=1).to(torch.int32)
