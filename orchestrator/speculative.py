@@ -222,9 +222,8 @@ class Speculation:
         # the plan trusts that figure only until the pair's memory holds a measured one.
         self.draft_probes = 0
         draft_ms = 0.0 if self.draft is None else self.memory.draft_ms_per_token or ctx.draft.info.decode_ms_per_token
-        self.estimates = RunningEstimates.seeded(
-            ctx.target.info.forward_costs, ctx.target.info.decode_ms_per_token, draft_ms, self.memory.prior()
-        )
+        target_ms = self.memory.target_ms_per_token or ctx.target.info.decode_ms_per_token
+        self.estimates = RunningEstimates.seeded(ctx.target.info.forward_costs, target_ms, draft_ms, self.memory.prior())
         self.pending: Proposal | None = None  # proposed during the previous verification
         # Greedy rounds with a draft model may verify its runners-up too, as a token tree; the
         # target's next step then keeps the tree's accepted path (`tree_keep`).
@@ -377,6 +376,7 @@ class Speculation:
         self._record_load(result)
         if count >= ctx.max_tokens_per_round or self.estimates.target_ms_per_token is None:
             self.estimates.record_target_only(spent.compute_ms, len(decided), spent.client_ms - spent.compute_ms)
+            self.memory.target_ms_per_token = self.estimates.target_one_row_ms
         else:
             self.estimates.record_target_trip(spent.client_ms - spent.compute_ms)
         held = len(self.history) + len(decided)

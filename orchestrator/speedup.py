@@ -187,6 +187,10 @@ class AcceptanceMemory:
     # The draft's ms a token as this orchestrator measured it (`RunningEstimates.draft_ms_per_token`);
     # None until then, when the plan has only the service's warm-up figure (`Info`).
     draft_ms_per_token: float | None = None
+    # A target-only token's ms as this rule's rounds measured it (`RunningEstimates.target_ms_per_token`):
+    # the service's figure is a greedy step's, and a sampled one also warps and draws
+    # (Gemma-3-270M, 2 cores: 9.2 ms against 8.1, which kept sampled speculation off where γ 4 paid).
+    target_ms_per_token: float | None = None
     # What verifications took over the target's curve (`RunningEstimates.verify_scale`), by the
     # rows (≥ 2) of the batch they rode in: a generation starts from it, not from 1. The curve's
     # guess at a batch's wider forwards falls short (Gemma-3-270M, 2 cores, 8 rows: ×2.7), and
@@ -252,6 +256,7 @@ class RunningEstimates:
     draft_step_ms: float | None = None
     draft_fixed_ms: float | None = None
     draft_measured: bool = False  # the draft figures are this generation's rounds', not a seed
+    target_measured: bool = False  # likewise the target-only figures
     verify_ms: float | None = None
     target_ms_per_token: float | None = None  # target-only rounds: compute per decided token
     draft_trip_ms: float | None = None  # a draft message's time beyond the draft's compute
@@ -386,6 +391,9 @@ class RunningEstimates:
 
     def record_target_only(self, compute_ms: float, tokens: int, trip_ms: float) -> None:
         if tokens > 0:
+            if not self.target_measured:  # a seed gives way, as the draft's does
+                self.target_ms_per_token = self.target_one_row_ms = None
+                self.target_measured = True
             self.target_ms_per_token = _ema(self.target_ms_per_token, compute_ms / tokens)
             self.target_one_row_ms = _ema(self.target_one_row_ms, compute_ms / tokens / self.load_at(1))
         self.target_trip_ms = _ema(self.target_trip_ms, trip_ms)

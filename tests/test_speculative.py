@@ -381,6 +381,33 @@ def test_one_early_rejection_turns_a_good_pair_off_only_without_its_memory() -> 
     assert remembered.alpha > 0.67 and remembered.plan(16, 8, draft_trip=True).speculate
 
 
+def test_a_sampled_generation_plans_on_the_target_only_cost_its_rule_measured_not_the_greedy_seed() -> None:
+    """The target service times a greedy step (8.1 ms a token, Gemma-3-270M's served one); a
+    sampled token there also warps and draws (9.2 ms). On the greedy seed, at α 0.6 with the
+    pair's served round costs (a sampled verification of 5 positions 12.1 ms), target-only
+    rounds look faster and the plan turns speculation off; once a target-only round measured
+    9.2, the plan speculates, and the pair's memory of the rule starts the next generation
+    there. Oracle: `plan_round` on each figure."""
+    curve = [(1, 8.1), (2, 8.6), (3, 9.3), (4, 9.8), (5, 10.4), (8, 12.4), (16, 20.0)]
+
+    def generation(target_ms: float) -> RunningEstimates:
+        estimates = RunningEstimates.seeded(curve, target_ms_per_token=target_ms, draft_ms_per_token=1.47,
+                                            prior=(6.0, 4.0))
+        estimates.record_draft(compute_ms=0.6 + 4 * 1.47, tokens=4, trip_ms=0.9)
+        for _ in range(10):
+            estimates.record_verify(compute_ms=12.1, positions=5, trip_ms=1.0)
+        return estimates
+
+    seeded = generation(8.1)
+    assert not seeded.plan(16, 8, draft_trip=True).speculate
+    expected = plan_round(seeded.alpha, 1.47, seeded.verify_at, 1.0 + 0.9 + 0.6, 9.2, 1.0, 16, 8)
+    seeded.record_target_only(compute_ms=16 * 9.2, tokens=16, trip_ms=1.0)
+    assert seeded.target_ms_per_token == pytest.approx(9.2) and seeded.plan(16, 8, draft_trip=True) == expected
+    assert expected.speculate
+    memory = AcceptanceMemory(target_ms_per_token=seeded.target_one_row_ms)
+    assert generation(memory.target_ms_per_token or 8.1).plan(16, 8, draft_trip=True).speculate
+
+
 def test_a_draft_handle_remembers_acceptance_per_target_and_rule_for_as_long_as_it_lives() -> None:
     class Handle:  # an orchestrator's draft `ModelHandle`, as far as the memory sees it
         pass
@@ -422,7 +449,9 @@ def test_under_load_the_plan_prices_gamma_on_what_the_batch_adds_at_each_width()
     assert estimates.verify_at(1) == pytest.approx(73.5) and estimates.target_step_ms() == pytest.approx(40.0)
     assert not estimates.plan(16, 8, draft_trip=False).speculate
     estimates.record_target_only(compute_ms=16 * 44.0, tokens=16, trip_ms=0.5)  # measured in the batch
-    assert estimates.target_one_row_ms == pytest.approx(0.7 * 10.0 + 0.3 * 11.0)  # ÷ 4: a one-row figure
+    assert estimates.target_one_row_ms == pytest.approx(11.0)  # ÷ 4: a one-row figure, in the seed's place
+    estimates.record_target_only(compute_ms=16 * 48.0, tokens=16, trip_ms=0.5)
+    assert estimates.target_one_row_ms == pytest.approx(0.7 * 11.0 + 0.3 * 12.0)  # measured ones average
     estimates.record_load(0, [], [])  # a service that does not batch says nothing: the last load holds
     estimates.record_load(8, [], [])  # the same rows: the service sends the curves again later
     assert estimates.batch_rows == 8 and estimates.load_at(2) == pytest.approx(7.0)
