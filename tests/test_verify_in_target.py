@@ -314,6 +314,19 @@ def test_a_top_k_round_at_a_262k_vocabulary_is_decided_sparse_exactly_as_the_pur
     assert len(sparse_rounds) == 10, "the sparse decision was not taken"
     assert len(outcomes) > 1, "every round ended alike: the comparison would miss a wrong acceptance"
 
+    # An id twice in a row of q is read as dense rows read it (the last entry's value stands).
+    assert q.sparse_ids is not None and q.sparse_values is not None
+    ids, values = q.sparse_ids.clone(), q.sparse_values.clone()
+    ids, values = torch.cat([ids, ids[:, :1]], dim=1), torch.cat([values, values[:, :1]], dim=1)
+    twice = Scores(ScoreKind.PROBS, sparse_ids=ids, sparse_values=values)
+    verifying = big_vocab_engine.new_session()
+    verifying.open(OpenRequest(prompt, warped))
+    result = verifying.step(StepRequest(append_ids=drafts, scoring=scoring, verify=Verification(twice, 3)))
+    verifying.close()
+    assert result.verdict is not None and len(sparse_rounds) == 10
+    expected = accept_draft(torch.tensor(drafts), twice.to_dense(BIG_VOCAB, 0.0), p, torch.Generator().manual_seed(3))
+    assert (result.verdict.accepted_len, result.verdict.next_token) == expected
+
 
 def test_a_proposal_asked_for_ids_only_draws_the_same_tokens_without_their_probabilities(engine: Engine) -> None:
     results = []
