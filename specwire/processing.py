@@ -299,6 +299,25 @@ def sparse_sampling_probs(
     return few if isinstance(few, tuple) else None
 
 
+def sample_rows(
+    logits: torch.Tensor, history: torch.Tensor, config: ProcessingConfig, uniform: torch.Tensor, dense: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`draw(sampling_probs(...), uniform=uniform)` to the bit, from each row's candidates alone
+    where top-k leaves few (`_top_k_sampling_probs`): the draw's float64 running sums meet the
+    same non-zero entries in the same id order. Returns the ids [rows], the probabilities
+    [rows, vocab] (with `dense`, else None) and each row's largest probability [rows]. One row of
+    262,144 ids: no dense row to fill, nor 1,024 chunks to search for mass."""
+    scores = apply_penalties(logits.float(), history, config)
+    few = _top_k_sampling_probs(scores, config)
+    if not isinstance(few, tuple):
+        probs = few if few is not None else apply_warpers(scores, config).softmax(dim=-1)
+        return draw(probs, uniform=uniform), probs, probs.amax(dim=-1)
+    ids, probs = few
+    chosen = ids.gather(-1, draw(probs, uniform=uniform).unsqueeze(-1)).squeeze(-1)
+    full = probs.new_zeros(scores.shape).scatter_(-1, ids, probs) if dense else None
+    return chosen, full, probs.amax(dim=-1)
+
+
 # Ids `_top_k_sampling_probs` takes beyond top-k's k: room for scores tied with the k-th, and
 # for neighbours that dividing by T rounds together.
 _CANDIDATE_MARGIN = 16

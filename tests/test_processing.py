@@ -267,3 +267,30 @@ def test_draw_over_the_chunks_with_mass_takes_the_ids_the_whole_rows_sum_takes()
 def test_draw_gives_the_last_id_with_mass_when_u_times_the_total_rounds_up(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=kw["dtype"]))
     assert draw(torch.tensor([[0.3, 0.7, 0.0, 0.0]])).tolist() == [1]
+
+
+def test_sampling_from_the_candidates_alone_draws_the_ids_the_dense_rows_draw() -> None:
+    """`sample_rows` draws among each row's candidates where top-k leaves few, the dense rows
+    where it cannot (no top-k, min-p, ties at the cut); either way the ids, the probabilities and
+    the largest probability equal `draw(sampling_probs(...))`'s, for uniforms at 0, inside and
+    where u · total rounds up to the total."""
+    generator = torch.Generator().manual_seed(13)
+    history = torch.zeros((6, 1), dtype=torch.long)
+    configs = [ProcessingConfig(temperature=0.666, top_k=27, top_p=0.9), ProcessingConfig(temperature=1.3, top_k=5),
+               ProcessingConfig(temperature=0.7, top_k=40, top_p=0.5, min_tokens_to_keep=2),
+               ProcessingConfig(temperature=0.8), ProcessingConfig(temperature=0.8, top_k=27, min_p=0.05)]
+    candidates = 0
+    for vocab in (WIDE, 16_384):
+        for config in configs:
+            logits = torch.randn(6, vocab, generator=generator) * 3
+            few = processing._top_k_sampling_probs(logits, config)
+            candidates += isinstance(few, tuple)
+            probs = sampling_probs(logits, history, config)
+            for uniform in (torch.rand(6, generator=generator, dtype=torch.float64), torch.zeros(6, dtype=torch.float64),
+                            torch.full((6,), 1 - 2**-53, dtype=torch.float64)):
+                ids, dense, largest = processing.sample_rows(logits, history, config, uniform)
+                assert torch.equal(ids, draw(probs, uniform=uniform))
+                assert dense is not None and torch.equal(dense, probs) and torch.equal(largest, probs.amax(dim=-1))
+                if isinstance(few, tuple):  # no dense row is filled where it is not wanted
+                    assert processing.sample_rows(logits, history, config, uniform, dense=False)[1] is None
+    assert candidates == 6  # the first three configs at both widths; no top-k and min-p warp whole rows

@@ -34,8 +34,8 @@ from specwire.processing import (
     ProcessingConfig,
     apply_penalties,
     beam_logprobs,
-    draw,
     greedy_scores,
+    sample_rows,
     sampling_probs,
     sparse_sampling_probs,
 )
@@ -1053,7 +1053,7 @@ class EngineSession:
         # the same distribution (and argmax) at a 16th of the width (Gemma's 262,144 ids, K 16,384).
         columns = None if self.processing.has_penalties else self.lm.proposable_ids
 
-        ahead: list[tuple[torch.Tensor, torch.Tensor]] = []  # a fused call's steps, warped and drawn at once
+        ahead: list[tuple[torch.Tensor | None, torch.Tensor]] = []  # a fused call's steps, warped and drawn at once
 
         def pick_ahead(logits: torch.Tensor | None) -> None:  # [branches, steps, vocab] (`JobSampling.ahead`)
             ahead.clear()
@@ -1063,17 +1063,18 @@ class EngineSession:
                 logits = logits.index_select(-1, columns)
             steps = min(int(logits.shape[1]), int(uniforms.shape[0]) - len(drawn))
             flat = logits[:, :steps].transpose(0, 1).flatten(0, 1)  # [steps·branches, K], step-major
-            probs = sampling_probs(flat, self.tokens.to(flat.device), self.processing)  # no penalty reads the history
-            tokens = draw(probs, uniform=uniforms[len(drawn) : len(drawn) + steps].flatten())
-            ahead.extend(zip(probs.unflatten(0, (steps, -1)), tokens.view(steps, -1), strict=True))
+            tokens, probs, _ = sample_rows(flat, self.tokens.to(flat.device), self.processing,  # no penalty reads the history
+                                           uniforms[len(drawn) : len(drawn) + steps].flatten(), not ids_only)
+            rows = probs.unflatten(0, (steps, -1)) if probs is not None else [None] * steps
+            ahead.extend(zip(rows, tokens.view(steps, -1), strict=True))
 
         def pick(logits: torch.Tensor) -> torch.Tensor | None:  # [branches, vocab] → [branches, 1]
             history = self.tokens.to(logits.device)
             gated = bool(drawn) and min_confidence > 0  # the confidence is only worked out when it can stop
             if ahead:  # this step's row of `pick_ahead`'s, to the bit: rows are warped and drawn alone
-                probs, token = ahead.pop(0)
-                if not ids_only:
-                    dists.append(probs)
+                row, token = ahead.pop(0)
+                if row is not None:
+                    dists.append(row)
                 return keep(token.unsqueeze(-1), None, gated)
             if columns is not None and logits.shape[-1] != columns.shape[0]:  # the scheduler's are K wide
                 logits = logits.index_select(-1, columns)  # [branches, K]
@@ -1085,10 +1086,10 @@ class EngineSession:
                     others = scores.scatter(-1, token, float("-inf")).topk(alternatives, dim=-1).indices
                     runners_up.append((others if columns is None else columns[others]).cpu())
             else:
-                probs = sampling_probs(logits, history, self.processing)
-                token = draw(probs, uniform=uniforms[len(drawn)]).unsqueeze(-1)
-                confidence = probs.amax(dim=-1).min() if gated else None
-                if not ids_only:
+                chosen, probs, largest = sample_rows(logits, history, self.processing, uniforms[len(drawn)], not ids_only)
+                token = chosen.unsqueeze(-1)
+                confidence = largest.min() if gated else None
+                if probs is not None:
                     dists.append(probs)
             return keep(token, confidence, gated)
 
