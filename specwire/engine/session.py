@@ -1062,6 +1062,8 @@ class EngineSession:
             if columns is not None and logits.shape[-1] != columns.shape[0]:
                 logits = logits.index_select(-1, columns)
             steps = min(int(logits.shape[1]), int(uniforms.shape[0]) - len(drawn))
+            if steps <= 0:
+                return
             flat = logits[:, :steps].transpose(0, 1).flatten(0, 1)  # [steps·branches, K], step-major
             tokens, probs, _ = sample_rows(flat, self.tokens.to(flat.device), self.processing,  # no penalty reads the history
                                            uniforms[len(drawn) : len(drawn) + steps].flatten(), not ids_only)
