@@ -279,43 +279,40 @@ def _cumulative_of_mass(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def sampling_probs(logits: torch.Tensor, history: torch.Tensor, config: ProcessingConfig) -> torch.Tensor:
     """The distribution sampling draws from: softmax(warp(penalize(logits))). [rows, vocab]."""
+    probs = sampling_distribution(logits, history, config)
+    return probs if isinstance(probs, torch.Tensor) else scatter_probs(*probs, int(logits.shape[-1]))
+
+
+def sampling_distribution(
+    logits: torch.Tensor, history: torch.Tensor, config: ProcessingConfig
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`sampling_probs` as each row's candidate ids (ascending) and their probabilities, both
+    [rows, n], every other id 0, to the bit, where top-k leaves few (`_top_k_sampling_probs`);
+    else the dense rows [rows, vocab]."""
     scores = apply_penalties(logits.float(), history, config)
     few = _top_k_sampling_probs(scores, config)
-    if few is None:
-        return apply_warpers(scores, config).softmax(dim=-1)
-    if isinstance(few, torch.Tensor):
-        return few
-    ids, probs = few
-    return probs.new_zeros(scores.shape).scatter_(-1, ids, probs)
+    return few if few is not None else apply_warpers(scores, config).softmax(dim=-1)
 
 
-def sparse_sampling_probs(
-    logits: torch.Tensor, history: torch.Tensor, config: ProcessingConfig
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`sampling_probs` as each row's candidate ids (ascending) and their probabilities, both
-    [rows, n], every other id 0, to the bit; None where only the dense rows are certain (no
-    top-k, min-p, or a case `_top_k_sampling_probs` declines)."""
-    few = _top_k_sampling_probs(apply_penalties(logits.float(), history, config), config)
-    return few if isinstance(few, tuple) else None
+def scatter_probs(ids: torch.Tensor, probs: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Candidates' probabilities ([rows, n] ids and values) as dense rows [rows, vocab], 0 elsewhere."""
+    return probs.new_zeros((ids.shape[0], vocab)).scatter_(-1, ids, probs)
 
 
 def sample_rows(
     logits: torch.Tensor, history: torch.Tensor, config: ProcessingConfig, uniform: torch.Tensor, dense: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """`draw(sampling_probs(...), uniform=uniform)` to the bit, from each row's candidates alone
-    where top-k leaves few (`_top_k_sampling_probs`): the draw's float64 running sums meet the
+    where top-k leaves few (`sampling_distribution`): the draw's float64 running sums meet the
     same non-zero entries in the same id order. Returns the ids [rows], the probabilities
     [rows, vocab] (with `dense`, else None) and each row's largest probability [rows]. One row of
     262,144 ids: no dense row to fill, nor 1,024 chunks to search for mass."""
-    scores = apply_penalties(logits.float(), history, config)
-    few = _top_k_sampling_probs(scores, config)
-    if not isinstance(few, tuple):
-        probs = few if few is not None else apply_warpers(scores, config).softmax(dim=-1)
+    probs = sampling_distribution(logits, history, config)
+    if isinstance(probs, torch.Tensor):
         return draw(probs, uniform=uniform), probs, probs.amax(dim=-1)
-    ids, probs = few
-    chosen = ids.gather(-1, draw(probs, uniform=uniform).unsqueeze(-1)).squeeze(-1)
-    full = probs.new_zeros(scores.shape).scatter_(-1, ids, probs) if dense else None
-    return chosen, full, probs.amax(dim=-1)
+    ids, few = probs
+    chosen = ids.gather(-1, draw(few, uniform=uniform).unsqueeze(-1)).squeeze(-1)
+    return chosen, scatter_probs(ids, few, int(logits.shape[-1])) if dense else None, few.amax(dim=-1)
 
 
 # Ids `_top_k_sampling_probs` takes beyond top-k's k: room for scores tied with the k-th, and

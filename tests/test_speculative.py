@@ -38,7 +38,7 @@ from transformers import GenerationConfig
 from specwire.acceptance import accept_draft, accept_draft_sparse, accept_drafts, residual_distribution
 from specwire.engine import CausalLM, Engine
 from specwire.errors import InvalidArgument
-from specwire.processing import ProcessingConfig, sampling_probs, sparse_sampling_probs
+from specwire.processing import ProcessingConfig, sampling_distribution, sampling_probs, scatter_probs
 from specwire.session import OpenRequest, ScoreKind, Scoring, ServerTiming, StepRequest, StepResult
 from tests.goodness_of_fit import chi_square_pvalue
 
@@ -124,8 +124,8 @@ def test_a_sparse_round_is_decided_to_the_bit_as_the_dense_one() -> None:
         target_logits = torch.randn(gamma + 1, vocab, generator=generator) * 3
         draft_logits = target_logits[:gamma] + torch.randn(gamma, vocab, generator=generator) * (0.3 + seed % 3)
         p, q = sampling_probs(target_logits, none, config), sampling_probs(draft_logits, none, config)
-        few = sparse_sampling_probs(target_logits, none, config)
-        assert few is not None and torch.equal(torch.zeros_like(p).scatter_(-1, *few), p)
+        few = sampling_distribution(target_logits, none, config)
+        assert isinstance(few, tuple) and torch.equal(scatter_probs(*few, vocab), p)
         q_values, q_ids = torch.topk(q, int((q > 0).sum(dim=-1).max()), dim=-1)
         q_ids = q_ids.masked_fill(q_values <= 0, -1)
         drafts = torch.multinomial(q, 1, generator=generator).squeeze(-1)

@@ -36,8 +36,9 @@ from specwire.processing import (
     beam_logprobs,
     greedy_scores,
     sample_rows,
+    sampling_distribution,
     sampling_probs,
-    sparse_sampling_probs,
+    scatter_probs,
 )
 from specwire.session import (
     OpenRequest,
@@ -963,7 +964,7 @@ class EngineSession:
         else:
             vocab = self.lm.vocab_size
             dense_q = Scores(ScoreKind.PROBS, sparse_ids=q[0], sparse_values=q[1]).to_dense(vocab, 0.0) if isinstance(q, tuple) else q
-            dense_p = p[1].new_zeros((p[1].shape[0], vocab)).scatter_(-1, p[0], p[1]) if isinstance(p, tuple) else p
+            dense_p = scatter_probs(*p, vocab) if isinstance(p, tuple) else p
             accepted_len, next_token = accept_draft(drafts, dense_q, dense_p, generator)
         return StepResult(
             num_tokens=self.length,
@@ -973,15 +974,14 @@ class EngineSession:
 
     def _verified_probs(self, scoring: Scoring) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """p at the scored positions: each row's ids and probabilities [γ+1, n] where warping
-        leaves few ids and no penalty reads a history (`sparse_sampling_probs`), else dense [γ+1, vocab]."""
+        leaves few ids and no penalty reads a history (`sampling_distribution`), else dense [γ+1, vocab]."""
         if self.processing.has_penalties:
             return self._processed(scoring).float().cpu()
         logits = self._forward(scoring.positions).flatten(0, 1)  # [γ+1, vocab]
-        history = self.tokens[:, :0].to(logits.device)  # no penalty reads it
-        few = sparse_sampling_probs(logits, history, self.processing)
-        if few is None:
-            return sampling_probs(logits, history, self.processing).float().cpu()
-        return few[0].cpu(), few[1].float().cpu()
+        probs = sampling_distribution(logits, self.tokens[:, :0].to(logits.device), self.processing)  # no history read
+        if isinstance(probs, torch.Tensor):
+            return probs.float().cpu()
+        return probs[0].cpu(), probs[1].float().cpu()
 
     def _draft_probs(self, scores: Scores) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`Verify.draft_probs` checked: sparse ids [γ, k] and values as they came where each row's
