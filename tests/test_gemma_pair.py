@@ -115,13 +115,27 @@ def test_gemma_with_a_rule_that_keeps_every_draft_token_fails_the_same_test(
 ) -> None:
     """The negative control: the target service (in this process) accepts every draft token."""
 
+    calls = []
+
     def keep_all(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
                  generator: torch.Generator | None) -> tuple[int, int]:
+        calls.append("dense")
         gamma = len(draft_tokens)
         _, bonus = accept_draft(draft_tokens[:0], draft_probs[:0], target_probs[gamma:], generator)
         return gamma, bonus
 
+    def keep_all_sparse(draft_tokens: torch.Tensor, draft_ids: torch.Tensor, draft_values: torch.Tensor,
+                        target_ids: torch.Tensor, target_values: torch.Tensor,
+                        generator: torch.Generator | None) -> tuple[int, int]:
+        calls.append("sparse")
+        gamma = len(draft_tokens)
+        ids, values = target_ids[gamma], target_values[gamma]  # the bonus row: [n]
+        bonus = ids[values.float().clamp_min(0).multinomial(1, generator=generator)]
+        return gamma, int(bonus)
+
     monkeypatch.setattr(engine_session, "accept_draft", keep_all)
+    monkeypatch.setattr(engine_session, "accept_draft_sparse", keep_all_sparse)
     pvalues = _histogram_pvalues(gemma_stack, gemma_marginals)
     print(f"keep-all rule: first token p={pvalues[0]:.3g}")
+    assert calls, "the verification must decide through one of the patched rules"
     assert pvalues[0] < ALPHA
