@@ -33,6 +33,7 @@ from specwire.orchestrator.params import LOOKUP_MAX_NGRAM, MAX_SPECULATIVE_TOKEN
 from specwire.orchestrator.speedup import (
     AcceptanceMemory,
     CopyAcceptance,
+    LoadTrial,
     RunningEstimates,
 )
 
@@ -174,6 +175,10 @@ def acceptance_memory(ctx: DecodeContext) -> AcceptanceMemory:
     return _MEMORIES.setdefault(ctx.draft, {}).setdefault(key, AcceptanceMemory())
 
 
+# The generations of each draft handle that plan their own γ, trying speculation under load together.
+_TRIALS: weakref.WeakKeyDictionary[object, LoadTrial] = weakref.WeakKeyDictionary()
+
+
 def ngram_settings(info: ModelInfo) -> tuple[int, int] | None:
     """(ngram_max, ngram_min) when the draft service is the n-gram drafter, else None."""
     if "ngram" not in info.capabilities:
@@ -185,10 +190,14 @@ def ngram_settings(info: ModelInfo) -> tuple[int, int] | None:
 async def speculative(ctx: DecodeContext) -> AsyncGenerator[list[int], None]:
     run = Speculation(ctx)
     produced = 0
-    while produced < ctx.params.max_new_tokens:
-        decided = await run.round(ctx.params.max_new_tokens - produced)
-        produced += len(decided)
-        yield decided
+    try:
+        while produced < ctx.params.max_new_tokens:
+            decided = await run.round(ctx.params.max_new_tokens - produced)
+            produced += len(decided)
+            yield decided
+    finally:
+        if run.trial is not None:
+            run.trial.leave(id(run))
 
 
 class Speculation:
@@ -238,6 +247,9 @@ class Speculation:
         # their own acceptance by the match's length n.
         self.lookup_min = ctx.params.lookup_min_ngram if self.draft is not None else 0
         self.copies = {n: CopyAcceptance() for n in range(1, LOOKUP_MAX_NGRAM + 1)}
+        # Auto γ under load: whether the pair's concurrent generations speculate at all (`LoadTrial`).
+        auto = ctx.params.num_speculative_tokens is None
+        self.trial = _TRIALS.setdefault(ctx.draft, LoadTrial()) if auto else None
 
     async def round(self, remaining: int) -> list[int]:
         ctx = self.ctx
@@ -251,14 +263,21 @@ class Speculation:
                 # (planned as one row, eight Gemma-3-270M streams opened at γ 7, 64 positions a forward).
                 self._record_load(opened)
                 self.estimates.record_target_trip(spent.client_ms - spent.compute_ms)
-            lookup = self._lookup(remaining)
-            gamma = len(lookup[1].tokens) if lookup is not None else self._choose_gamma(remaining)
+            if self.trial is None or self.trial.allows(id(self), time.monotonic()):
+                lookup = self._lookup(remaining)
+                gamma = len(lookup[1].tokens) if lookup is not None else self._choose_gamma(remaining)
+            else:
+                lookup, gamma = None, None
+                if self.pending is not None:
+                    self._discard_pending()
             if gamma is None:
                 decided = await self._target_only(remaining, current)
             else:
                 decided = await self._speculate(gamma, remaining, current, lookup)
             current.set(**self.estimates.span_attributes())
             self._publish_estimates()
+        if self.trial is not None:
+            self.trial.record(len(decided))
         self.history += decided
         return decided
 

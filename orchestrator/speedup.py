@@ -224,6 +224,70 @@ class AcceptanceMemory:
         return alpha * trials, (1.0 - alpha) * trials
 
 
+# `LoadTrial`: an epoch's length, and how many epochs the better mode runs before the other is
+# tried again (the load, and what it favours, may have changed).
+TRIAL_EPOCH_S = 1.0
+TRIAL_EXPLOIT_EPOCHS = 4
+TRIAL_WINDOW_S = 1.0  # a generation with no round started for this long no longer counts
+
+
+@dataclass
+class LoadTrial:
+    """Whether concurrent generations of a pair may speculate, measured on all of them at once.
+
+    Each generation plans for itself, against what a target-only token costs it. Under load that
+    cost is the batch's, and the batch pays for every row's verification: its extra positions,
+    and the fused decode steps (`FUSED_STEPS`) a forward with a verification in it cannot take.
+    Eight Gemma-3-270M streams on 2 cores: greedy 17.1 ms a token each, but 30 ms for target-only
+    rounds among speculating ones, and 32.5 for speculative rounds; each generation saw both
+    options alike, and the batch ran at 0.48–0.73× greedy's. So while two or more run, epochs
+    of TRIAL_EPOCH_S alternate between letting the plans speculate ("on") and target-only
+    rounds for all ("off"), and the generations' tokens a second in each choose: the better mode
+    runs TRIAL_EXPLOIT_EPOCHS epochs, then the other is tried again. A lone generation plans alone."""
+
+    epoch_s: float = TRIAL_EPOCH_S
+    exploit_epochs: int = TRIAL_EXPLOIT_EPOCHS
+    seen: dict[int, float] = field(default_factory=dict)  # generation → its last round's start
+    speculate: bool = True  # this epoch's mode
+    started: float | None = None  # this epoch's start (None: no epoch under way)
+    tokens: int = 0  # this epoch's tokens, all generations
+    rates: dict[bool, float] = field(default_factory=dict)  # tokens a second by mode, moving averages
+    left: int = 0  # epochs of the present mode before the other is tried
+
+    def allows(self, generation: int, now: float) -> bool:
+        """Whether `generation`'s round starting at `now` may speculate. The running generations
+        are those that started a round within TRIAL_WINDOW_S and have not left: one abandoned
+        without leaving stops counting then."""
+        self.seen[generation] = now
+        self.seen = {key: last for key, last in self.seen.items() if now - last <= TRIAL_WINDOW_S}
+        if len(self.seen) < 2:
+            self.started = None  # an epoch's rate counts concurrent generations only
+            return True
+        if self.started is None:
+            self.started, self.tokens = now, 0
+        elif now - self.started >= self.epoch_s:
+            self._close(now)
+        return self.speculate
+
+    def leave(self, generation: int) -> None:
+        self.seen.pop(generation, None)
+
+    def record(self, tokens: int) -> None:
+        if self.started is not None:
+            self.tokens += tokens
+
+    def _close(self, now: float) -> None:
+        assert self.started is not None
+        self.rates[self.speculate] = _ema(self.rates.get(self.speculate), self.tokens / (now - self.started), 0.5)
+        if (not self.speculate) not in self.rates:  # the other mode's first epoch, then the better
+            self.speculate, self.left = not self.speculate, self.exploit_epochs
+        else:
+            better = self.rates[True] >= self.rates[False]
+            self.speculate = better if self.left > 0 else not better
+            self.left = self.left - 1 if self.left > 0 else self.exploit_epochs
+        self.started, self.tokens = now, 0
+
+
 def _ema(old: float | None, new: float, weight: float = 0.3) -> float:
     return new if old is None else (1.0 - weight) * old + weight * new
 

@@ -24,8 +24,10 @@ from specwire.orchestrator.speculative import (
 )
 from specwire.orchestrator.speedup import (
     SCALE_RECALL,
+    TRIAL_WINDOW_S,
     AcceptanceMemory,
     CopyAcceptance,
+    LoadTrial,
     RunningEstimates,
     alpha_estimate,
     best_gamma,
@@ -500,6 +502,48 @@ def test_probing_is_worth_a_round_only_while_alpha_might_still_make_speculation_
     for _ in range(60):
         flat.record_acceptance(drafted=4, accepted=0)
     assert flat.alpha_upper < 0.3 and not flat.plan(16, 16, draft_trip=True, optimistic=True).speculate
+
+
+def _epoch(trial: LoadTrial, start: float, rates: dict[bool, int], generations: int = 2) -> bool:
+    """One epoch of `generations` running generations from `start`, each round yielding the
+    tokens its mode earns (`rates`); the mode the epoch ran in."""
+    mode = trial.allows(0, start)
+    for generation in range(1, generations):
+        assert trial.allows(generation, start) == mode
+    for tick in range(1, 10):  # rounds every tenth of the epoch, all in this epoch's mode
+        now = start + tick * trial.epoch_s / 10
+        for generation in range(generations):
+            assert trial.allows(generation, now) == mode
+            trial.record(rates[mode])
+    return mode
+
+
+def test_concurrent_generations_speculate_only_in_the_mode_their_joint_rate_favours() -> None:
+    """Epochs on, then off, then the faster mode for TRIAL_EXPLOIT_EPOCHS epochs, one epoch of
+    the other, and the faster again; a change in which mode is faster is followed."""
+    trial = LoadTrial(epoch_s=1.0, exploit_epochs=3)
+    slower_on = {True: 2, False: 5}  # eight Gemma-3-270M streams on 2 cores: speculation loses
+    modes = [_epoch(trial, float(epoch), slower_on) for epoch in range(9)]
+    assert modes == [True, False, False, False, False, True, False, False, False]
+    assert trial.rates[False] > trial.rates[True]
+    faster_on = {True: 9, False: 5}  # the load fell, or the host verifies for free
+    modes = [_epoch(trial, float(epoch), faster_on) for epoch in range(9, 16)]
+    # The next exploration of "on" measures it faster: on it stays, but for an epoch off in 4.
+    assert modes == [True, True, True, True, False, True, True]
+    assert trial.rates[True] > trial.rates[False]
+
+
+def test_a_lone_generation_plans_alone_and_one_that_left_stops_counting() -> None:
+    trial = LoadTrial(epoch_s=1.0)
+    trial.speculate = False  # what the trial would have the pair's concurrent generations do
+    assert all(trial.allows(0, 0.1 * tick) for tick in range(30))  # alone: its own plan decides
+    trial.record(100)
+    assert trial.started is None and not trial.rates  # nor does it count toward an epoch
+    assert not trial.allows(1, 3.0) and not trial.allows(0, 3.0)  # two now: the trial's mode
+    trial.leave(1)
+    assert trial.allows(0, 3.1)
+    assert not trial.allows(2, 3.2)
+    assert trial.allows(0, 3.2 + TRIAL_WINDOW_S + 0.1)  # 2 started no round since: not running
 
 
 def test_the_ngram_drafters_settings_reach_the_orchestrator(llama_target_dir: Path) -> None:
