@@ -225,9 +225,11 @@ class AcceptanceMemory:
 
 
 # `LoadTrial`: an epoch's length, and how many epochs the better mode runs before the other is
-# tried again (the load, and what it favours, may have changed).
+# tried again (the load, and what it favours, may have changed): TRIAL_EXPLOIT_EPOCHS, doubled
+# each time the other is tried and loses, up to TRIAL_MAX_EXPLOIT_EPOCHS.
 TRIAL_EPOCH_S = 1.0
 TRIAL_EXPLOIT_EPOCHS = 4
+TRIAL_MAX_EXPLOIT_EPOCHS = 32
 TRIAL_WINDOW_S = 1.0  # a generation with no round started for this long no longer counts
 
 
@@ -243,10 +245,15 @@ class LoadTrial:
     options alike, and the batch ran at 0.48–0.73× greedy's. So while two or more run, epochs
     of TRIAL_EPOCH_S alternate between letting the plans speculate ("on") and target-only
     rounds for all ("off"), and the generations' tokens a second in each choose: the better mode
-    runs TRIAL_EXPLOIT_EPOCHS epochs, then the other is tried again. A lone generation plans alone."""
+    runs for a while, then the other is tried for an epoch; each time it loses again the while
+    doubles, so a trial that keeps confirming its choice costs ever less. A lone generation plans
+    alone."""
 
     epoch_s: float = TRIAL_EPOCH_S
-    exploit_epochs: int = TRIAL_EXPLOIT_EPOCHS
+    exploit_epochs: int = TRIAL_EXPLOIT_EPOCHS  # the epochs of the better mode before the next try
+    max_exploit_epochs: int = TRIAL_MAX_EXPLOIT_EPOCHS
+    span: int = 0  # the better mode's epochs now between tries
+    exploring: bool = False  # this epoch tries the mode that measured slower
     seen: dict[int, float] = field(default_factory=dict)  # generation → its last round's start
     speculate: bool = True  # this epoch's mode
     started: float | None = None  # this epoch's start (None: no epoch under way)
@@ -279,13 +286,19 @@ class LoadTrial:
     def _close(self, now: float) -> None:
         assert self.started is not None
         self.rates[self.speculate] = _ema(self.rates.get(self.speculate), self.tokens / (now - self.started), 0.5)
-        if (not self.speculate) not in self.rates:  # the other mode's first epoch, then the better
-            self.speculate, self.left = not self.speculate, self.exploit_epochs
-        else:
-            better = self.rates[True] >= self.rates[False]
-            self.speculate = better if self.left > 0 else not better
-            self.left = self.left - 1 if self.left > 0 else self.exploit_epochs
         self.started, self.tokens = now, 0
+        if (not self.speculate) not in self.rates:  # each mode's first epoch
+            self.speculate, self.exploring = not self.speculate, True
+            return
+        better = self.rates[True] >= self.rates[False]
+        if self.exploring:
+            lost = self.speculate != better
+            self.span = min(2 * self.span, self.max_exploit_epochs) if lost and self.span else self.exploit_epochs
+            self.speculate, self.exploring, self.left = better, False, self.span - 1
+        elif self.left > 0:
+            self.speculate, self.left = better, self.left - 1
+        else:
+            self.speculate, self.exploring = not better, True
 
 
 def _ema(old: float | None, new: float, weight: float = 0.3) -> float:

@@ -519,17 +519,17 @@ def _epoch(trial: LoadTrial, start: float, rates: dict[bool, int], generations: 
 
 
 def test_concurrent_generations_speculate_only_in_the_mode_their_joint_rate_favours() -> None:
-    """Epochs on, then off, then the faster mode for TRIAL_EXPLOIT_EPOCHS epochs, one epoch of
-    the other, and the faster again; a change in which mode is faster is followed."""
+    """Epochs on, then off, then the faster mode for `exploit_epochs` epochs and one epoch of the
+    other, which loses again: the faster then runs twice as long. When the other becomes the
+    faster, its next try finds it and the trial follows, from the short span again."""
     trial = LoadTrial(epoch_s=1.0, exploit_epochs=3)
     slower_on = {True: 2, False: 5}  # eight Gemma-3-270M streams on 2 cores: speculation loses
-    modes = [_epoch(trial, float(epoch), slower_on) for epoch in range(9)]
-    assert modes == [True, False, False, False, False, True, False, False, False]
+    modes = [_epoch(trial, float(epoch), slower_on) for epoch in range(12)]
+    assert modes == [True, False, False, False, False, True] + [False] * 6
     assert trial.rates[False] > trial.rates[True]
     faster_on = {True: 9, False: 5}  # the load fell, or the host verifies for free
-    modes = [_epoch(trial, float(epoch), faster_on) for epoch in range(9, 16)]
-    # The next exploration of "on" measures it faster: on it stays, but for an epoch off in 4.
-    assert modes == [True, True, True, True, False, True, True]
+    modes = [_epoch(trial, float(epoch), faster_on) for epoch in range(12, 18)]
+    assert modes == [True, True, True, True, False, True]
     assert trial.rates[True] > trial.rates[False]
 
 
