@@ -263,7 +263,10 @@ class Speculation:
                 # (planned as one row, eight Gemma-3-270M streams opened at γ 7, 64 positions a forward).
                 self._record_load(opened)
                 self.estimates.record_target_trip(spent.client_ms - spent.compute_ms)
-            if self.trial is None or self.trial.allows(id(self), time.monotonic()):
+            allowed = self.trial is None or self.trial.allows(id(self), time.monotonic())
+            if self.trial is not None and self.trial.started is not None:  # concurrent: the trial's mode
+                current.set(load_trial="on" if allowed else "off")
+            if allowed:
                 lookup = self._lookup(remaining)
                 gamma = len(lookup[1].tokens) if lookup is not None else self._choose_gamma(remaining)
             else:

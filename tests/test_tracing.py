@@ -16,9 +16,11 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
-from specwire.client import Client
+from specwire.client import AsyncClient, Client
 from specwire.orchestrator.generation import STRATEGIES
+from specwire.orchestrator import speculative
 from specwire.orchestrator.models import WaitClock
+from specwire.orchestrator.speedup import LoadTrial
 from specwire.orchestrator.stats import RunStats
 
 from specwire import telemetry
@@ -226,3 +228,33 @@ def test_entropix_round_spans_carry_each_decision(traced: Observed, exporter: In
     for span, decision in zip(rounds, result.decisions, strict=True):
         assert attr(span, "specwire.round.entropix.entropy") == pytest.approx(decision.entropy, rel=1e-6)
         assert attr(span, "specwire.round.entropix.top_k") == decision.top_k
+
+
+def test_concurrent_generations_held_off_by_their_trial_say_so_and_keep_greedy_output(
+    traced: Observed, exporter: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `LoadTrial` whose epoch runs all target-only: concurrent auto-γ generations' rounds carry
+    `load_trial` off and are target-only, and each output equals the generation run alone."""
+    client = Client(traced.stack.address, timeout=60)
+    params = {"prompt": PROMPT, "strategy": "speculative", "max_new_tokens": 24, "ignore_eos": True}
+    alone = client.generate(**params).token_ids
+    trial = LoadTrial(epoch_s=3600.0, speculate=False)  # one long epoch, off
+
+    class Held(dict[object, LoadTrial]):
+        def setdefault(self, key: object, default: LoadTrial | None = None) -> LoadTrial:
+            return trial
+
+    monkeypatch.setattr(speculative, "_TRIALS", Held())
+    exporter.clear()
+
+    async def together() -> list[list[int]]:
+        async with AsyncClient(traced.stack.address, timeout=60) as concurrent:
+            results = await asyncio.gather(*(concurrent.generate(**params) for _ in range(3)))
+        return [result.token_ids for result in results]
+
+    outputs = asyncio.run(together())
+    assert outputs == [alone] * 3
+    rounds = [s for s in exporter.get_finished_spans() if s.name == "round"]
+    held = [s for s in rounds if attr(s, "specwire.round.load_trial") == "off"]
+    assert held and all(attr(s, "specwire.round.speculation") == "off" for s in held)
+    assert not any(attr(s, "specwire.round.load_trial") == "on" for s in rounds)
