@@ -17,8 +17,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 from specwire.client import AsyncClient, Client
-from specwire.orchestrator.generation import STRATEGIES
 from specwire.orchestrator import speculative
+from specwire.orchestrator.generation import STRATEGIES
 from specwire.orchestrator.models import WaitClock
 from specwire.orchestrator.speedup import LoadTrial
 from specwire.orchestrator.stats import RunStats
