@@ -309,7 +309,7 @@ def sample_rows(
     262,144 ids: no dense row to fill, nor 1,024 chunks to search for mass."""
     probs = sampling_distribution(logits, history, config)
     if isinstance(probs, torch.Tensor):
-        return draw(probs, uniform=uniform), probs, probs.amax(dim=-1)
+        return draw(probs, uniform=uniform), probs if dense else None, probs.amax(dim=-1)
     ids, few = probs
     chosen = ids.gather(-1, draw(few, uniform=uniform).unsqueeze(-1)).squeeze(-1)
     return chosen, scatter_probs(ids, few, int(logits.shape[-1])) if dense else None, few.amax(dim=-1)

@@ -291,6 +291,6 @@ def test_sampling_from_the_candidates_alone_draws_the_ids_the_dense_rows_draw() 
                 ids, dense, largest = processing.sample_rows(logits, history, config, uniform)
                 assert torch.equal(ids, draw(probs, uniform=uniform))
                 assert dense is not None and torch.equal(dense, probs) and torch.equal(largest, probs.amax(dim=-1))
-                if isinstance(few, tuple):  # no dense row is filled where it is not wanted
-                    assert processing.sample_rows(logits, history, config, uniform, dense=False)[1] is None
+                # No dense row is filled, nor one held, where it is not wanted.
+                assert processing.sample_rows(logits, history, config, uniform, dense=False)[1] is None
     assert candidates == 6  # the first three configs at both widths; no top-k and min-p warp whole rows
