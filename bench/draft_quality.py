@@ -14,7 +14,11 @@ a draft service loads it (a trimmed-vocabulary draft scores all ids, zero outsid
 - on the target's sampled continuations of the bench prompts (`--samples` seeds each), p and q
   both warped as a sampled request warps them (`--temperature`, `--top-k`, `--top-p`; the
   bench's sampling row by default): what a sampled round accepts, α = Σ_x min(p_w(x), q_w(x)),
-  and what one deterministic candidate would, p_w(argmax q_w) (no KL: warped q is zero on most ids).
+  and what one deterministic candidate would, p_w(argmax q_w) (no KL: warped q is zero on most ids);
+- with `--blocks G`, at each position of those continuations a chain of G drafts drawn from q_w and
+  scored by the target: the tokens a round of γ ≤ G emits in expectation (kept drafts and the next
+  token) under token-by-token acceptance (Leviathan et al. 2023) and block verification (Sun et al.
+  2024, what `specwire.acceptance` decides by), each exact given the chain.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from specwire.bench.bench import BASE_WARPERS, load_prompts
 from specwire.bench.quality import greedy, held_out_windows, window_logits
 from specwire.draft_service.self_text import continuation
 
+from specwire.acceptance import block_ends
 from specwire.engine import CausalLM, Engine, EngineLimits
 from specwire.processing import ProcessingConfig, sampling_probs
+from specwire.session import OpenRequest, ScoreKind, Scoring
 
 
 def pair_sums(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
@@ -59,6 +65,48 @@ def warped_sums(target_logits: torch.Tensor, draft_logits: torch.Tensor, warpers
     return torch.stack([torch.minimum(p, q).sum(), agree.sum(), p.gather(-1, best).sum()])
 
 
+def round_tokens(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -> tuple[float, float]:
+    """Expected tokens a round emits given its drafts [γ] (q [γ, V], p [γ+1, V]): token-by-token,
+    1 + Σ_t Π_{i≤t} min(1, p_i(x_i)/q_i(x_i)); by block, 1 + Σ_t t·h_t·Π_{i>t}(1 − h_i)."""
+    index = draft_tokens.unsqueeze(-1)
+    kept = (p[:-1].gather(-1, index) / q.gather(-1, index)).squeeze(-1).clamp_max(1.0).double().cumprod(0)
+    h = block_ends(draft_tokens.unsqueeze(0), q.unsqueeze(0), p.unsqueeze(0))[0][0]  # [γ+1]
+    later = torch.cat([torch.flip(torch.cumprod(torch.flip(1 - h[1:], [0]), 0), [0])[1:], h.new_ones(1)])  # Π_{i>t}(1 − h_i)
+    ends = torch.arange(1, len(draft_tokens) + 1, dtype=torch.float64)
+    return 1.0 + float(kept.sum()), 1.0 + float((ends * h[1:] * later).sum())
+
+
+def block_sums(target: Engine, drafter: Engine, sequence: list[int], start: int, gamma: int, warpers: ProcessingConfig,
+               generator: torch.Generator) -> torch.Tensor:
+    """[2, γ]: `round_tokens` at γ' = 1…γ, token-by-token then block, summed over the positions
+    from `start` on, each with a chain of γ drafts drawn from the warped draft."""
+    none = torch.zeros((gamma + 1, 1), dtype=torch.long)
+    sums = torch.zeros(2, gamma, dtype=torch.float64)
+    for end in range(start, len(sequence)):
+        drafts: list[int] = []
+        rows = []
+        for _ in range(gamma):
+            q = sampling_probs(last_logits(drafter, sequence[:end] + drafts, 1), none[:1], warpers)[0]
+            drafts.append(int(torch.multinomial(q, 1, generator=generator)))
+            rows.append(q)
+        p = sampling_probs(last_logits(target, sequence[:end] + drafts, gamma + 1), none, warpers)
+        chain, q = torch.tensor(drafts), torch.stack(rows)
+        for length in range(1, gamma + 1):
+            sums[:, length - 1] += torch.tensor(round_tokens(chain[:length], q[:length], p[: length + 1]), dtype=torch.float64)
+    return sums
+
+
+def last_logits(engine: Engine, ids: list[int], positions: int) -> torch.Tensor:
+    """The logits of the last `positions` positions of `ids`, uncached: [positions, vocab]."""
+    session = engine.new_session()
+    try:
+        opened = session.open(OpenRequest(prompt_ids=ids, scoring=Scoring(ScoreKind.LOGITS, positions=positions)))
+    finally:
+        session.close()
+    assert opened.scores is not None and opened.scores.dense is not None
+    return opened.scores.dense.float().reshape(positions, -1)
+
+
 def figures(sums: torch.Tensor, count: int) -> dict[str, float]:
     alpha, agree, outside, kl, agree_top2 = (sums / max(1, count)).tolist()
     return {"alpha": alpha, "greedy_agreement": agree, "top2_agreement": agree_top2,
@@ -66,7 +114,7 @@ def figures(sums: torch.Tensor, count: int) -> dict[str, float]:
 
 
 def measure(target: str, draft: str, modes: list[str], windows: int, window: int, prompts: list[str], new_tokens: int,
-            warpers: ProcessingConfig | None = None, samples: int = 3) -> dict[str, Any]:
+            warpers: ProcessingConfig | None = None, samples: int = 3, blocks: int = 0) -> dict[str, Any]:
     limits = EngineLimits(compile="off", max_batch_rows=2, max_cache_len=max(window + 1, 512))
     drafter = Engine(CausalLM.load(draft, device="cpu", dtype="float32"), "draft", limits)
     tokenizer = drafter.lm.tokenizer
@@ -92,6 +140,7 @@ def measure(target: str, draft: str, modes: list[str], windows: int, window: int
         report["modes"][mode] = {"held_out": figures(held, held_count), "continuations": figures(cont, cont_count)}
         if warpers is not None and samples:
             drawn, drawn_count = torch.zeros(3), 0
+            rounds, generator = torch.zeros(2, blocks, dtype=torch.float64), torch.Generator().manual_seed(0)
             for index, ids in enumerate(prompt_ids):
                 for seed in range(samples):
                     sequence = ids + continuation(engine, ids, new_tokens, set(), warpers, seed=1000 * index + seed)
@@ -99,8 +148,13 @@ def measure(target: str, draft: str, modes: list[str], windows: int, window: int
                     drawn += warped_sums(window_logits(engine, sequence)[scored], window_logits(drafter, sequence)[scored],
                                          warpers)
                     drawn_count += new_tokens
+                    if blocks:
+                        rounds += block_sums(engine, drafter, sequence, len(ids), blocks, warpers, generator)
             alpha, agree, first = (drawn / max(1, drawn_count)).tolist()
             report["modes"][mode]["sampled"] = {"alpha": alpha, "greedy_agreement": agree, "candidate_acceptance": first}
+            if blocks:
+                token, block = (rounds / max(1, drawn_count)).tolist()
+                report["modes"][mode]["sampled"]["round_tokens"] = {"token": token, "block": block}
     if warpers is not None:
         report["warpers"] = {"temperature": warpers.temperature, "top_k": warpers.top_k, "top_p": warpers.top_p,
                              "samples": samples}
@@ -120,16 +174,18 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--temperature", type=float, default=BASE_WARPERS["temperature"], help="their warpers")
     parser.add_argument("--top-k", type=int, default=BASE_WARPERS["top_k"])
     parser.add_argument("--top-p", type=float, default=BASE_WARPERS["top_p"])
+    parser.add_argument("--blocks", type=int, default=0,
+                        help="γ: tokens a sampled round of 1…γ drafts emits, token-by-token and by block (0: skip)")
     parser.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.quantize.split(",") if m.strip()]
-    if args.samples < 0 or args.temperature <= 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
-        raise SystemExit("--samples and --top-k must be ≥ 0, --temperature > 0 and --top-p in (0, 1]")
+    if args.samples < 0 or args.blocks < 0 or args.temperature <= 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        raise SystemExit("--samples, --blocks and --top-k must be ≥ 0, --temperature > 0 and --top-p in (0, 1]")
     warpers = ProcessingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     report = measure(args.target, args.draft, modes, args.windows, args.window, load_prompts(args.prompts), args.new_tokens,
-                     warpers, args.samples)
+                     warpers, args.samples, args.blocks)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -144,4 +200,8 @@ def run(args: argparse.Namespace) -> int:
             drawn = parts["sampled"]
             print(f"target {mode}, sampled continuations, warped: α {drawn['alpha']:.3f}, greedy agreement "
                   f"{drawn['greedy_agreement']:.3f}, p(the draft's argmax) {drawn['candidate_acceptance']:.3f}")
+            if "round_tokens" in drawn:
+                rounds = zip(drawn["round_tokens"]["token"], drawn["round_tokens"]["block"], strict=True)
+                for gamma, (token, block) in enumerate(rounds, 1):
+                    print(f"target {mode}, sampled rounds of γ {gamma}: {token:.3f} tokens token-by-token, {block:.3f} by block")
     return 0

@@ -3,7 +3,8 @@
 References: Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers via Speculative
 Decoding" (ICML, arXiv:2211.17192), Algorithm 1; Chen et al. 2023, "Accelerating Large Language
 Model Decoding with Speculative Sampling" (arXiv:2302.01318), Algorithm 2; over a tree of
-candidates, Miao et al. 2023, "SpecInfer" (arXiv:2305.09781), multi-draft speculative sampling.
+candidates, Miao et al. 2023, "SpecInfer" (arXiv:2305.09781), multi-draft speculative sampling;
+a chain verified as a block, Sun et al. 2024 (arXiv:2403.10444), Algorithm 2.
 
 It lives in the shared core because it runs in two places: in the orchestrator (the dense
 protocol, where the target's p crosses the wire) and in the target service (`Step.verify`), where
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from specwire.medusa import tree_children, tree_path
-from specwire.processing import draw
+from specwire.processing import draw, row_mass
 
 
 def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
@@ -30,41 +31,69 @@ def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor)
     return torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), target_probs)
 
 
+def block_ends(
+    draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block verification's terms (`accept_drafts`), float64: h [B, γ+1] (h_0 = 1, unused), the
+    residuals r [B, γ+1, V] and their masses ρ [B, γ+1]. Shapes as `accept_drafts` takes them."""
+    batch, gamma = draft_tokens.shape
+    p, q = target_probs.double(), draft_probs.double()
+    index = draft_tokens.long().unsqueeze(-1)  # [B, γ, 1]
+    ratio = (p[:, :gamma].gather(-1, index) / q.gather(-1, index)).squeeze(-1)  # [B, γ]; q(x) > 0 for a drawn x
+    weights = [p.new_ones(batch)]
+    for i in range(gamma):
+        weights.append((weights[-1] * ratio[:, i]).clamp_max(1.0))
+    w = torch.stack(weights, dim=1)  # [B, γ+1]
+    residual = w.unsqueeze(-1) * p  # [B, γ+1, V]; q_{γ+1} = 0
+    residual[:, :gamma] -= q
+    residual.clamp_min_(0.0)
+    rho = row_mass(residual.flatten(0, 1)).view(batch, gamma + 1)
+    ends = rho + (1.0 - w)
+    return torch.where(ends > 0, rho / ends, 1.0), residual, rho
+
+
 def accept_drafts(
     draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling's decision for a batch of independent rounds.
+    """Speculative sampling's decision for a batch of independent rounds, by block verification
+    (Sun et al. 2024, "Block Verification Accelerates Speculative Decoding", arXiv:2403.10444,
+    Alg. 2): the output follows p exactly, and no rule that reads only the drafted path accepts
+    more tokens in expectation (token-by-token acceptance, Leviathan et al. 2023, included).
 
-    Accept x_i while u_i < min(1, p_i(x_i) / q_i(x_i)), u_i ~ U[0, 1); at the first rejection
-    draw the correction from norm(max(0, p_i − q_i)); if all γ are accepted, draw the bonus token
-    from p_{γ+1}. The tokens out are then distributed exactly as p (Leviathan et al. 2023, Thm. 1).
+    With w_0 = 1 and w_i = min(1, w_{i−1} p_i(x_i) / q_i(x_i)), the residual after i drafts is
+    r_i = max(0, w_i p_{i+1} − q_{i+1}) (q_{γ+1} = 0), of mass ρ_i; draft i is a possible end
+    with probability h_i = ρ_i / (ρ_i + 1 − w_i). The round keeps drafts up to the last i whose
+    u_i < h_i (u_i ~ U[0, 1); none: 0) and draws the next token from r_i normalised (p_{i+1}
+    where r_i has no mass). At γ = 1 this is token acceptance.
 
     draft_tokens: [B, γ] int; draft_probs q: [B, γ, V]; target_probs p: [B, γ+1, V].
     Returns accepted_len [B] int64 in [0, γ] and next_token [B] int64.
     """
+    # The rule on the columns where some row has mass (and the drafts'): the same sums to the
+    # bit (zeros add nothing), over ~40 of Gemma-3's 262,144 ids after top-k.
+    held = (target_probs > 0).flatten(0, -2).any(dim=0) | (draft_probs > 0).flatten(0, -2).any(dim=0)
+    held[draft_tokens.long().flatten()] = True
+    if bool(held.all()):
+        return _decide_block(draft_tokens, draft_probs, target_probs, generator)
+    columns = held.nonzero().squeeze(-1)  # [n] ascending
+    drafted = torch.searchsorted(columns, draft_tokens.long())
+    accepted_len, next_column = _decide_block(drafted, draft_probs[..., columns], target_probs[..., columns], generator)
+    return accepted_len, columns[next_column]
+
+
+def _decide_block(
+    draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`accept_drafts` on the columns given."""
     batch, gamma = draft_tokens.shape
-    index = draft_tokens.long().unsqueeze(-1)  # [B, γ, 1]
-    p_drafted = target_probs[:, :gamma].gather(-1, index).squeeze(-1)  # [B, γ]
-    q_drafted = draft_probs.gather(-1, index).squeeze(-1)  # [B, γ]
-    uniform = torch.rand((batch, gamma), generator=generator)  # [B, γ]
-    accepted = uniform * q_drafted < p_drafted  # u < p/q without dividing; q(x) > 0 for a drawn x
-    accepted_len = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [B]
+    h, residual, rho = block_ends(draft_tokens, draft_probs, target_probs)
+    hit = torch.rand((batch, gamma), generator=generator).double() < h[:, 1:]  # [B, γ]
+    # The last i with a hit (its index plus one, at most γ), else 0.
+    accepted_len = (hit.long() * torch.arange(1, gamma + 1)).amax(dim=-1) if gamma else hit.new_zeros(batch, dtype=torch.long)
     rows = torch.arange(batch)
-    # q = 0 after the last draft makes the residual there p_{γ+1}: the bonus distribution.
-    q_next = torch.zeros_like(target_probs[:, 0])  # [B, V]
-    if gamma:
-        drafted = (accepted_len < gamma).unsqueeze(-1)  # [B, 1]
-        q_next = torch.where(drafted, draft_probs[rows, accepted_len.clamp_max(gamma - 1)], q_next)
-    next_token = draw(_residual_mass(target_probs[rows, accepted_len], q_next), generator)  # [B]
-    return accepted_len, next_token
-
-
-def _residual_mass(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-    """`residual_distribution` before its division: `draw` scales its uniform by each row's
-    total, so the draw follows the same distribution, and every entry is p − q itself, equal on
-    any set of columns that holds the mass (`accept_draft_sparse`). [..., vocab]."""
-    residual = (target_probs - draft_probs).clamp_min(0.0)
-    return torch.where((residual > 0).any(dim=-1, keepdim=True), residual, target_probs)
+    chosen = torch.where((rho[rows, accepted_len] > 0).unsqueeze(-1), residual[rows, accepted_len],
+                         target_probs[rows, accepted_len].double())  # [B, V]
+    return accepted_len, draw(chosen, generator)
 
 
 def accept_draft(
@@ -100,9 +129,9 @@ def accept_draft_sparse(
         return out.scatter_(-1, at, values.float())[:, :-1]
 
     drafted = torch.searchsorted(columns, draft_tokens.long())
-    accepted_len, next_column = accept_draft(drafted, narrow(draft_ids, draft_values), narrow(target_ids, target_values),
-                                             generator)
-    return accepted_len, int(columns[next_column])
+    accepted_len, next_column = _decide_block(drafted.unsqueeze(0), narrow(draft_ids, draft_values).unsqueeze(0),
+                                              narrow(target_ids, target_values).unsqueeze(0), generator)
+    return int(accepted_len[0]), int(columns[next_column[0]])
 
 
 def accept_tree_sampled(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import itertools
+import math
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from specwire.bench.draft_quality import round_tokens
 from specwire.draft_service.ngram import NgramDrafter, NgramSession, ngram_match, ngram_proposal
 from specwire.orchestrator.speculative import (
     _MEMORIES,
@@ -37,7 +40,7 @@ from specwire.orchestrator.speedup import (
 )
 from transformers import GenerationConfig
 
-from specwire.acceptance import accept_draft, accept_draft_sparse, accept_drafts, residual_distribution
+from specwire.acceptance import accept_draft, accept_draft_sparse, accept_drafts, block_ends, residual_distribution
 from specwire.engine import CausalLM, Engine
 from specwire.errors import InvalidArgument
 from specwire.processing import ProcessingConfig, sampling_distribution, sampling_probs, scatter_probs
@@ -135,6 +138,101 @@ def test_a_sparse_round_is_decided_to_the_bit_as_the_dense_one() -> None:
         assert accept_draft_sparse(drafts, q_ids, q_values, *few, torch.Generator().manual_seed(seed)) == dense
         lengths.add(dense[0])
     assert lengths == {0, 1, 2, 3, 4, 5}
+
+
+class RandomChains:
+    """Random next-token distributions of a target p and a draft q over 3 ids, one pair per
+    context; about a third of them with an id at 0, so that p and q rule out different ids."""
+
+    def __init__(self, seed: int) -> None:
+        self.generator, self.rows = torch.Generator().manual_seed(seed), {}
+
+    def __call__(self, model: str, context: tuple[int, ...]) -> torch.Tensor:
+        if (model, context) not in self.rows:
+            row = torch.rand(3, generator=self.generator, dtype=torch.float64) ** 2
+            if float(torch.rand((), generator=self.generator)) < 0.3:
+                row[int(torch.randint(3, (), generator=self.generator))] = 0.0
+            self.rows[model, context] = row / row.sum()
+        return self.rows[model, context]
+
+
+def round_outputs(chains: RandomChains, context: tuple[int, ...], gamma: int, residual_weight: bool = True) -> dict[tuple[int, ...], float]:
+    """Exact probability of each output of one block-verified round (`block_ends`): the kept
+    drafts and the next token, over every draft chain q can draw and every end its draws allow.
+    `residual_weight` False draws the next token from max(0, p − q) instead (wrong on purpose)."""
+    outputs: dict[tuple[int, ...], float] = {}
+    for drafts in itertools.product(range(3), repeat=gamma):
+        drawn = math.prod(float(chains("q", context + drafts[:i])[x]) for i, x in enumerate(drafts))
+        if drawn == 0.0:
+            continue
+        q = torch.stack([chains("q", context + drafts[:i]) for i in range(gamma)]).unsqueeze(0)
+        p = torch.stack([chains("p", context + drafts[:i]) for i in range(gamma + 1)]).unsqueeze(0)
+        h, residual, rho = (part[0] for part in block_ends(torch.tensor([drafts]), q, p))
+        if not residual_weight:
+            residual = (p[0] - torch.cat([q[0], torch.zeros(1, 3, dtype=torch.float64)])).clamp_min(0.0)
+        for kept in range(gamma + 1):
+            ends = (float(h[kept]) if kept else 1.0) * float(torch.prod(1 - h[kept + 1 :]))
+            row = residual[kept] if float(residual[kept].sum()) > 0 else p[0, kept]
+            for token in range(3):
+                chance = drawn * ends * float(row[token] / row.sum())
+                if chance > 0:
+                    outputs[drafts[:kept] + (token,)] = outputs.get(drafts[:kept] + (token,), 0.0) + chance
+    return outputs
+
+
+def first_tokens(chains: RandomChains, context: tuple[int, ...], count: int, gamma: int, residual_weight: bool = True) -> dict[tuple[int, ...], float]:
+    """Exact distribution of the next `count` tokens of rounds run one after another."""
+    result: dict[tuple[int, ...], float] = {}
+    for output, chance in round_outputs(chains, context, gamma, residual_weight).items():
+        tails = {(): 1.0} if len(output) >= count else first_tokens(chains, context + output, count - len(output), gamma, residual_weight)
+        for tail, more in tails.items():
+            key = (output + tail)[:count]
+            result[key] = result.get(key, 0.0) + chance * more
+    return result
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 3])
+def test_block_verification_emits_exactly_the_target_distribution_and_never_fewer_tokens(gamma: int) -> None:
+    """Exact, not sampled: over every draft chain and end, rounds of block verification emit the
+    next 3 tokens with the target's joint probability; each round emits at least as many tokens
+    in expectation as token-by-token acceptance (Sun et al. 2024, Thm. 2); and the residual of
+    token acceptance, max(0, p − q), in its place emits a different distribution."""
+    gaps = []
+    for seed in range(4):
+        chains = RandomChains(seed)
+        emitted = first_tokens(chains, (), 3, gamma)
+        for sequence in itertools.product(range(3), repeat=3):
+            target = math.prod(float(chains("p", sequence[:i])[x]) for i, x in enumerate(sequence))
+            assert emitted.get(sequence, 0.0) == pytest.approx(target, abs=1e-12)
+        block = sum(len(output) * chance for output, chance in round_outputs(chains, (), gamma).items())
+        token = 1.0
+        for drafts in itertools.product(range(3), repeat=gamma):
+            drawn = math.prod(float(chains("q", drafts[:i])[x]) for i, x in enumerate(drafts))
+            kept = 1.0
+            for i, x in enumerate(drafts):
+                kept *= min(1.0, float(chains("p", drafts[:i])[x] / chains("q", drafts[:i])[x])) if drawn else 0.0
+                token += drawn * kept
+        assert block >= token - 1e-12
+        wrong = first_tokens(chains, (), 3, gamma, residual_weight=False)
+        gaps += [abs(wrong.get(s, 0.0) - math.prod(float(chains("p", s[:i])[x]) for i, x in enumerate(s)))
+                 for s in itertools.product(range(3), repeat=3)]
+    assert max(gaps) > 1e-3 if gamma > 1 else max(gaps) < 1e-12  # at γ = 1 the two residuals are one
+
+
+def test_draft_quality_round_tokens_are_the_exact_expectations_of_both_rules() -> None:
+    """`round_tokens` averaged over every chain q draws equals the round length that exact
+    enumeration of block verification gives, and token acceptance's 1 + Σ_t Π min(1, p/q)."""
+    chains, gamma = RandomChains(5), 3
+    block = sum(len(output) * chance for output, chance in round_outputs(chains, (), gamma).items())
+    averaged = torch.zeros(2, dtype=torch.float64)
+    for drafts in itertools.product(range(3), repeat=gamma):
+        drawn = math.prod(float(chains("q", drafts[:i])[x]) for i, x in enumerate(drafts))
+        if drawn:
+            q = torch.stack([chains("q", drafts[:i]) for i in range(gamma)])
+            p = torch.stack([chains("p", drafts[:i]) for i in range(gamma + 1)])
+            averaged += drawn * torch.tensor(round_tokens(torch.tensor(drafts), q, p), dtype=torch.float64)
+    assert float(averaged[1]) == pytest.approx(block, abs=1e-12)
+    assert 1.0 < float(averaged[0]) < float(averaged[1])
 
 
 def test_acceptance_rate_is_one_minus_total_variation() -> None:

@@ -229,7 +229,7 @@ def test_draft_quality_reports_exact_figures_for_a_trimmed_draft(
     small_target_dir: Path, trimmed_draft_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["draft-quality", "--target", str(small_target_dir), "--draft", str(trimmed_draft_dir), "--windows", "2",
-            "--window", "16", "--new-tokens", "4", "--json"]
+            "--window", "16", "--new-tokens", "4", "--blocks", "2", "--json"]
     assert cli_main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     for part in ("held_out", "continuations"):
@@ -237,6 +237,9 @@ def test_draft_quality_reports_exact_figures_for_a_trimmed_draft(
         assert 0.0 < values["alpha"] < 1.0 and values["target_mass_outside_draft"] > 0.0
     drawn = report["modes"]["none"]["sampled"]
     assert 0.0 < drawn["alpha"] <= 1.0 and 0.0 <= drawn["candidate_acceptance"] <= 1.0
+    token, block = drawn["round_tokens"]["token"], drawn["round_tokens"]["block"]
+    assert token[0] == pytest.approx(block[0]) and 1.0 <= token[0] <= 2.0  # one draft: the rules are one
+    assert 1.0 <= block[1] <= 3.0
     assert report["warpers"] == {"temperature": 0.666, "top_k": 27, "top_p": 0.9, "samples": 3}
 
 
