@@ -163,6 +163,11 @@ def add_parser(commands: Any) -> None:
                                help="uncached training windows learnt from the text's own next tokens")
     scratch_flags.add_argument("--text-weight", type=float, default=1.0, help="weight of their cross-entropy")
     scratch_flags.add_argument("--text-batch", type=int, default=8, help="text windows per step (with --batch-size cached)")
+    scratch_flags.add_argument("--accept-weight", type=float, default=0.0,
+                               help="weight of 1 − α under --accept-warpers beside the KL (DistillSpec's TVD)")
+    scratch_flags.add_argument("--accept-warpers", default="0.666,27,0.9",
+                               help="T,K,P: the sampled requests α is measured (and, with --accept-weight, trained) for; "
+                                    "default the bench's sampling row")
     scratch_flags.add_argument(
         "--bf16", action="store_true",
         help="bfloat16 autocast where bfloat16 products run faster than float32 ones here (timed); float32 elsewhere",

@@ -34,7 +34,7 @@ from transformers import (
 
 from specwire import teacher_cache
 from specwire.engine.trimmed_vocab import TrimmedVocab
-from specwire.sparse_distill import alpha_bounds, coarse_kl, draft_vocabulary, sparse_targets
+from specwire.sparse_distill import alpha_bounds, coarse_kl, draft_vocabulary, sparse_targets, warped_alpha
 
 HEAD_DIM = 64
 REPORT = "distill_report.json"
@@ -123,12 +123,33 @@ def load_draft(directory: Path) -> tuple[LlamaForCausalLM, TrimmedVocab]:
     return model, vocab
 
 
+@dataclass(frozen=True)
+class Warpers:
+    """A sampled request's warpers, as `--accept-warpers T,K,P` gives them."""
+    temperature: float
+    top_k: int
+    top_p: float
+
+    @classmethod
+    def parse(cls, text: str) -> Warpers:
+        try:
+            temperature, top_k, top_p = text.split(",")
+            warpers = cls(float(temperature), int(top_k), float(top_p))
+        except ValueError:
+            raise SystemExit(f"--accept-warpers {text!r}: give T,K,P, e.g. 0.666,27,0.9") from None
+        if warpers.temperature <= 0 or warpers.top_k < 0 or not 0 < warpers.top_p <= 1:
+            raise SystemExit(f"--accept-warpers {text!r}: T must be > 0, K ≥ 0, P in (0, 1]")
+        return warpers
+
+
 @torch.no_grad()
-def measure(model: Any, split: dict[str, torch.Tensor], vocab: TrimmedVocab, batch_size: int) -> dict[str, float]:
-    """Held-out α (lower and upper bound), greedy agreement and KL_S, averaged over positions."""
+def measure(model: Any, split: dict[str, torch.Tensor], vocab: TrimmedVocab, batch_size: int,
+            warpers: Warpers) -> dict[str, float]:
+    """Held-out α (lower and upper bound), greedy agreement, KL_S and α under `warpers`, averaged
+    over positions."""
     model.eval()
     table, inputs, target_ids = vocab.draft_ids(missing=-1), vocab.draft_ids(), torch.tensor(vocab.ids)
-    sums = np.zeros(4)
+    sums = np.zeros(5)
     count = 0
     for start in range(0, len(split["tokens"]), batch_size):
         tokens = split["tokens"][start : start + batch_size]
@@ -138,11 +159,14 @@ def measure(model: Any, split: dict[str, torch.Tensor], vocab: TrimmedVocab, bat
         lower, upper = alpha_bounds(teacher, idx, inside, logits)
         top1 = split["topk_ids"][start : start + batch_size, :, 0].long()  # [B, T]: the teacher's argmax
         agree = target_ids[logits.argmax(-1)] == top1
-        sums += [float(lower.sum()), float(upper.sum()), float(agree.sum()), float(coarse_kl(teacher, idx, inside, logits).sum())]
+        sampled = warped_alpha(teacher, idx, inside, logits, warpers.temperature, warpers.top_k, warpers.top_p)
+        sums += [float(lower.sum()), float(upper.sum()), float(agree.sum()), float(coarse_kl(teacher, idx, inside, logits).sum()),
+                 float(sampled.sum())]
         count += lower.numel()
     model.train()
-    alpha, alpha_upper, agreement, kl = sums / count
-    return {"alpha": alpha, "alpha_upper": alpha_upper, "greedy_agreement": agreement, "kl": kl}
+    alpha, alpha_upper, agreement, kl, sampled_alpha = sums / count
+    return {"alpha": alpha, "alpha_upper": alpha_upper, "greedy_agreement": agreement, "kl": kl,
+            "sampled_alpha": sampled_alpha}
 
 
 def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -208,7 +232,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     table, inputs = vocab.draft_ids(missing=-1), vocab.draft_ids()
     print(f"{used} cached training windows, {len(text)} text windows, {len(held_out['tokens'])} held out; "
           f"draft {shape.layers} × {shape.hidden}, vocabulary {len(vocab.ids)} of {vocab.target_vocab_size}", flush=True)
-    before = measure(model, held_out, vocab, args.batch_size)
+    warpers = Warpers.parse(args.accept_warpers)
+    before = measure(model, held_out, vocab, args.batch_size, warpers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     bf16 = args.bf16 and teacher_cache.bfloat16_pays()
     if args.bf16 and not bf16:
@@ -224,7 +249,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             idx, inside = sparse_targets(cached["topk_ids"][chosen], table)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 logits = model(input_ids=inputs[cached["tokens"][chosen, :-1].long()]).logits
-            loss = coarse_kl(cached["topk_logp"][chosen], idx, inside, logits).mean()
+            teacher = cached["topk_logp"][chosen]
+            loss = coarse_kl(teacher, idx, inside, logits).mean()
+            if args.accept_weight:
+                accepted = warped_alpha(teacher, idx, inside, logits.float(), warpers.temperature, warpers.top_k, warpers.top_p)
+                loss = loss + args.accept_weight * (1 - accepted.mean())
             if len(text):
                 windows = text[np.sort(rng.choice(len(text), min(args.text_batch, len(text)), replace=False))]
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -234,7 +263,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             bar.update(1)
             bar.set_postfix(loss=f"{loss_ema:.3f}")
     train_s = time.perf_counter() - started
-    after = measure(model, held_out, vocab, args.batch_size)
+    after = measure(model, held_out, vocab, args.batch_size, warpers)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(bos_token_id=target_config.bos_token_id, eos_token_id=target_config.eos_token_id)
@@ -246,6 +275,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "teacher_cache": {"windows": used, "held_out_windows": len(held_out["tokens"]),
                           "seq_len": cache.spec.seq_len, "top_k": cache.spec.top_k},
         "init": str(args.init) if args.init else None, "text_windows": len(text), "text_weight": args.text_weight, "text_batch": args.text_batch, "embedding_init": args.embedding_init,
+        "accept_weight": args.accept_weight, "accept_warpers": asdict(warpers),
         "shape": asdict(shape) | {"heads": shape.heads, "kv_heads": min(shape.kv_heads, shape.heads), "intermediate": shape.intermediate},
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab_coverage": float(np.isin(corpus.train_stream, np.asarray(vocab.ids)).mean()),

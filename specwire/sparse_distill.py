@@ -64,3 +64,27 @@ def alpha_bounds(teacher_logp: torch.Tensor, student_idx: torch.Tensor, inside: 
     p, _, q, p_rest, q_rest = _coarse(teacher_logp, student_idx, inside, student_logits.float().log_softmax(dim=-1))
     lower = torch.minimum(p, q).sum(-1)
     return lower, lower + torch.minimum(p_rest, q_rest)
+
+
+def _warp(scores: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """softmax(scores / T) over the given candidates (sorted, best first), cut to the smallest
+    prefix whose mass reaches top-p (the best always kept) and renormalised. [..., n] → [..., n]."""
+    probs = (scores.float() / temperature).softmax(-1)
+    before = probs.cumsum(-1) - probs  # mass of the better candidates
+    kept = torch.where(before < top_p, probs, 0.0)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def warped_alpha(teacher_logp: torch.Tensor, teacher_idx: torch.Tensor, inside: torch.Tensor,
+                 student_logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """α = Σ_x min(p_w(x), q_w(x)) per position [...], p and q warped as a sampled request warps them
+    (temperature, then top-k, then top-p): what a sampled round accepts. Exact for top-k ≤ the
+    cache's k, since p_w then lives on the cached ids. teacher_logp, teacher_idx, inside: [..., k],
+    best first (`sparse_targets`); student_logits [..., K]. Differentiable in q's values."""
+    k = min(top_k or teacher_logp.shape[-1], teacher_logp.shape[-1])
+    p = _warp(teacher_logp[..., :k], temperature, top_p) * inside[..., :k]  # ids the draft lacks: q = 0 there
+    values, ids = student_logits.topk(min(k, student_logits.shape[-1]), dim=-1)  # [..., k], best first
+    q = _warp(values, temperature, top_p)
+    same = teacher_idx[..., :k, None] == ids[..., None, :]  # [..., k, k]
+    pairs = torch.minimum(p[..., :, None], q[..., None, :])
+    return torch.where(same & inside[..., :k, None], pairs, 0.0).sum((-2, -1))

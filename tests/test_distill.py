@@ -13,6 +13,8 @@ from specwire.draft_service.distill import acceptance, distillation_loss, greedy
 from transformers import GenerationConfig
 
 from specwire.engine import CausalLM
+from specwire.processing import ProcessingConfig, sampling_probs
+from specwire.sparse_distill import sparse_targets, warped_alpha
 
 
 def test_loss_is_kl_from_target_to_draft_and_alpha_is_one_minus_total_variation() -> None:
@@ -23,6 +25,29 @@ def test_loss_is_kl_from_target_to_draft_and_alpha_is_one_minus_total_variation(
     assert distillation_loss(target_logits, target_logits) == pytest.approx(0.0, abs=1e-6)
     assert torch.allclose(acceptance(target_logits, draft_logits), 1 - 0.5 * (p - q).abs().sum(-1), atol=1e-6)
     assert torch.equal(greedy_agreement(target_logits, draft_logits), p.argmax(-1) == q.argmax(-1))
+
+
+def test_warped_alpha_from_the_cached_top_k_equals_alpha_of_the_warped_dense_distributions() -> None:
+    """α under temperature, top-k 6 and top-p 0.9 from a teacher's top 16 of 40 ids and a draft over
+    30 of them equals Σ min(p_w, q_w) of the dense warped rows (`sampling_probs`, as served)."""
+    generator = torch.Generator().manual_seed(1)
+    kept = torch.randperm(40, generator=generator)[:30].sort().values  # the draft's target ids
+    table = torch.full((40,), -1, dtype=torch.long)
+    table[kept] = torch.arange(30)
+    target_logits = 2 * torch.randn(64, 40, generator=generator)
+    draft_logits = target_logits[:, kept] + torch.randn(64, 30, generator=generator)
+    logp, ids = target_logits.log_softmax(-1).topk(16, dim=-1)
+    idx, inside = sparse_targets(ids, table)
+    dense_draft = torch.full((64, 40), float("-inf")).index_copy(1, kept, draft_logits)
+    none = torch.zeros((64, 1), dtype=torch.long)
+    for temperature, top_p in ((0.7, 0.9), (1.0, 1.0)):
+        warpers = ProcessingConfig(temperature=temperature, top_k=6, top_p=top_p)
+        p, q = sampling_probs(target_logits, none, warpers), sampling_probs(dense_draft, none, warpers)
+        expected = torch.minimum(p, q).sum(-1)
+        got = warped_alpha(logp, idx, inside, draft_logits, temperature, 6, top_p)
+        assert torch.allclose(got, expected, atol=1e-5)
+        assert 0.2 < float(got.mean()) < 0.95
+        assert torch.allclose(warped_alpha(logp, idx, inside, target_logits[:, kept], temperature, 6, top_p)[inside[:, :6].all(-1)], torch.tensor(1.0), atol=1e-5)
 
 
 def test_distill_moves_the_draft_toward_the_target_and_is_deterministic(
@@ -55,11 +80,14 @@ def test_distill_from_scratch_builds_a_trimmed_draft_that_learns_and_serves_targ
         argv = ["distill", "--from-scratch", "--target", str(llama_target_dir), "--out", str(out), "--data", str(text),
                 "--teacher-cache", str(tmp_path / "cache"), "--windows", "24", "--held-out-windows", "4",
                 "--seq-len", "32", "--top-k", "16", "--layers", "1", "--hidden", "32", "--vocab-top", "256",
-                "--text-windows", "8", "--text-weight", "0.1", "--steps", "40", "--batch-size", "4", "--lr", "5e-3", "--warmup", "4"]
+                "--text-windows", "8", "--text-weight", "0.1", "--steps", "40", "--batch-size", "4", "--lr", "5e-3", "--warmup", "4",
+                "--accept-weight", "0.5", "--accept-warpers", "0.8,8,0.95"]
         assert cli_main(argv) == 0
     report = json.loads((outs[0] / "distill_report.json").read_text())
     assert report["after"]["kl"] < report["before"]["kl"]
     assert report["after"]["alpha"] > report["before"]["alpha"]
+    assert report["after"]["sampled_alpha"] > report["before"]["sampled_alpha"]
+    assert report["accept_warpers"] == {"temperature": 0.8, "top_k": 8, "top_p": 0.95}
     assert report["before"]["alpha"] <= report["before"]["alpha_upper"]
     first, second = (load_file(str(out / "model.safetensors")) for out in outs)
     assert all(torch.equal(first[name], second[name]) for name in first)
