@@ -13,10 +13,12 @@ p already is; there it runs on the orchestrator's seed, so the orchestrator stil
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from specwire.medusa import tree_children, tree_path
-from specwire.processing import draw, row_mass
+from specwire.processing import draw
 
 
 def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
@@ -31,25 +33,43 @@ def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor)
     return torch.where(mass > 0, residual / torch.where(mass > 0, mass, 1.0), target_probs)
 
 
-def block_ends(
-    draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block verification's terms (`accept_drafts`), float64: h [B, γ+1] (h_0 = 1, unused), the
-    residuals r [B, γ+1, V] and their masses ρ [B, γ+1]. Shapes as `accept_drafts` takes them."""
+def block_weights(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """w [B, γ+1] float64 of block verification (`accept_drafts`): w_0 = 1 and
+    w_i = min(1, w_{i−1} p_i(x_i) / q_i(x_i)). Shapes as `accept_drafts` takes them."""
     batch, gamma = draft_tokens.shape
-    p, q = target_probs.double(), draft_probs.double()
     index = draft_tokens.long().unsqueeze(-1)  # [B, γ, 1]
-    ratio = (p[:, :gamma].gather(-1, index) / q.gather(-1, index)).squeeze(-1)  # [B, γ]; q(x) > 0 for a drawn x
-    weights = [p.new_ones(batch)]
+    # q(x) > 0 for a drawn x.
+    ratio = (target_probs[:, :gamma].gather(-1, index).double() / draft_probs.gather(-1, index).double()).squeeze(-1)
+    weights = [ratio.new_ones(batch)]
     for i in range(gamma):
         weights.append((weights[-1] * ratio[:, i]).clamp_max(1.0))
-    w = torch.stack(weights, dim=1)  # [B, γ+1]
-    residual = w.unsqueeze(-1) * p  # [B, γ+1, V]; q_{γ+1} = 0
-    residual[:, :gamma] -= q
-    residual.clamp_min_(0.0)
-    rho = row_mass(residual.flatten(0, 1)).view(batch, gamma + 1)
+    return torch.stack(weights, dim=1)
+
+
+def block_end(w: torch.Tensor, target_row: torch.Tensor, draft_row: torch.Tensor | None, scalar: float | None = None) -> tuple[Any, ...]:
+    """After i drafts (w = w_i [B], target_row p_{i+1} [B, V], draft_row q_{i+1} [B, V], None past
+    the last draft): the residual r_i = max(0, w_i p_{i+1} − q_{i+1}) [B, V] in p's dtype, its
+    mass ρ_i [B] and h_i = ρ_i / (ρ_i + 1 − w_i) [B] float64 (1 where both are 0). With
+    `scalar` (w_i of a batch of one, as a float) ρ_i and h_i come as floats, the same values."""
+    residual = w.to(target_row.dtype).unsqueeze(-1) * target_row
+    if draft_row is not None:
+        residual = (residual - draft_row).clamp_min_(0.0)
+    rho = residual.sum(dim=-1, dtype=torch.float64)
+    if scalar is not None:
+        mass = float(rho[0])
+        end = mass + (1.0 - scalar)
+        return residual, mass, mass / end if end > 0 else 1.0
     ends = rho + (1.0 - w)
-    return torch.where(ends > 0, rho / ends, 1.0), residual, rho
+    return residual, rho, torch.where(ends > 0, rho / ends, 1.0)
+
+
+def block_ends(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """h [B, γ+1] (`block_end` at every i; h_0 unused): draft i ends a block-verified round with
+    probability h_i · Π_{j>i} (1 − h_j)."""
+    gamma = draft_tokens.shape[1]
+    w = block_weights(draft_tokens, draft_probs, target_probs)
+    ends = [block_end(w[:, i], target_probs[:, i], draft_probs[:, i] if i < gamma else None)[2] for i in range(gamma + 1)]
+    return torch.stack(ends, dim=1)
 
 
 def accept_drafts(
@@ -66,12 +86,17 @@ def accept_drafts(
     u_i < h_i (u_i ~ U[0, 1); none: 0) and draws the next token from r_i normalised (p_{i+1}
     where r_i has no mass). At γ = 1 this is token acceptance.
 
+    The rule runs on the columns where some row has mass, and the drafts': the same tensors
+    whichever layout the rows came in (`accept_draft_sparse`), so the same decision to the bit,
+    and ~40 of Gemma-3's 262,144 ids after top-k.
+
     draft_tokens: [B, γ] int; draft_probs q: [B, γ, V]; target_probs p: [B, γ+1, V].
     Returns accepted_len [B] int64 in [0, γ] and next_token [B] int64.
     """
-    # The rule on the columns where some row has mass (and the drafts'): the same sums to the
-    # bit (zeros add nothing), over ~40 of Gemma-3's 262,144 ids after top-k.
-    held = (target_probs > 0).flatten(0, -2).any(dim=0) | (draft_probs > 0).flatten(0, -2).any(dim=0)
+    batch, gamma = draft_tokens.shape
+    held = target_probs.flatten(0, -2).amax(dim=0) > 0
+    if gamma:
+        held |= draft_probs.flatten(0, -2).amax(dim=0) > 0
     held[draft_tokens.long().flatten()] = True
     if bool(held.all()):
         return _decide_block(draft_tokens, draft_probs, target_probs, generator)
@@ -84,26 +109,45 @@ def accept_drafts(
 def _decide_block(
     draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`accept_drafts` on the columns given."""
+    """`accept_drafts` on the columns given: every end's h, then each round's last hit."""
     batch, gamma = draft_tokens.shape
-    h, residual, rho = block_ends(draft_tokens, draft_probs, target_probs)
+    h = block_ends(draft_tokens, draft_probs, target_probs)  # [B, γ+1]
     hit = torch.rand((batch, gamma), generator=generator).double() < h[:, 1:]  # [B, γ]
     # The last i with a hit (its index plus one, at most γ), else 0.
     accepted_len = (hit.long() * torch.arange(1, gamma + 1)).amax(dim=-1) if gamma else hit.new_zeros(batch, dtype=torch.long)
     rows = torch.arange(batch)
-    chosen = torch.where((rho[rows, accepted_len] > 0).unsqueeze(-1), residual[rows, accepted_len],
-                         target_probs[rows, accepted_len].double())  # [B, V]
-    return accepted_len, draw(chosen, generator)
+    w = block_weights(draft_tokens, draft_probs, target_probs)[rows, accepted_len]
+    drafted = accepted_len < gamma
+    draft_row = torch.where(drafted.unsqueeze(-1), draft_probs[rows, accepted_len.clamp_max(max(gamma - 1, 0))], 0.0) if gamma else None
+    residual, rho, _ = block_end(w, target_probs[rows, accepted_len], draft_row)
+    # No mass left in r_i: p_{i+1} (as token acceptance's correction falls back to p).
+    return accepted_len, draw(torch.where((rho > 0).unsqueeze(-1), residual, target_probs[rows, accepted_len]), generator)
 
 
 def accept_draft(
     draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None
 ) -> tuple[int, int]:
-    """One round of `accept_drafts`. draft_tokens: [γ]; draft_probs: [γ, V]; target_probs: [γ+1, V]."""
-    accepted_len, next_token = accept_drafts(
-        draft_tokens.unsqueeze(0), draft_probs.unsqueeze(0), target_probs.unsqueeze(0), generator
-    )
-    return int(accepted_len[0]), int(next_token[0])
+    """One round of `accept_drafts`, the same decision from the same draws. draft_tokens: [γ];
+    draft_probs: [γ, V]; target_probs: [γ+1, V]. The ends are tried from the last draft back,
+    each residual computed when reached: the first hit from the end decides, so a round pays
+    for one or two residuals, not γ + 1 (each the whole vocabulary where p is dense)."""
+    gamma = int(draft_tokens.shape[0])
+    tokens, q, p = draft_tokens.unsqueeze(0), draft_probs.unsqueeze(0), target_probs.unsqueeze(0)
+    held = p[0].amax(dim=0) > 0
+    if gamma:
+        held |= q[0].amax(dim=0) > 0
+    held[tokens.long().flatten()] = True
+    columns = None if bool(held.all()) else held.nonzero().squeeze(-1)
+    if columns is not None:
+        tokens, q, p = torch.searchsorted(columns, tokens.long()), q[..., columns], p[..., columns]
+    weights = block_weights(tokens, q, p)  # [1, γ+1]
+    w, uniform = weights[0].tolist(), torch.rand((1, gamma), generator=generator).double()[0].tolist()
+    for kept in range(gamma, -1, -1):
+        residual, rho, h = block_end(weights[:, kept], p[:, kept], q[:, kept] if kept < gamma else None, w[kept])
+        if kept == 0 or uniform[kept - 1] < h:
+            break
+    next_token = int(draw(residual if rho > 0 else p[:, kept], generator)[0])
+    return kept, next_token if columns is None else int(columns[next_token])
 
 
 def accept_draft_sparse(
@@ -114,13 +158,13 @@ def accept_draft_sparse(
     target_values: torch.Tensor,
     generator: torch.Generator | None,
 ) -> tuple[int, int]:
-    """`accept_draft` on sparse rows, to the bit: the same rule on the columns where p or q has
-    mass alone. Every comparison reads the same entries, and the draw's float64 running sums
-    meet the same non-zero entries in the same id order (a zero adds exactly nothing).
+    """`accept_draft` on sparse rows, to the bit: narrowed to the ids they name, the rows reach
+    the rule as the dense ones do (`accept_drafts` keeps the columns with mass, and the drafts').
     draft_tokens [γ]; draft_ids/values q [γ, k], target_ids/values p [γ+1, n]: ids distinct in
     a row, −1 where a row is padded."""
-    columns = torch.cat([draft_ids.flatten(), target_ids.flatten(), draft_tokens.flatten()]).long()
-    columns = columns[columns >= 0].unique()  # sorted ascending
+    # The ids with mass, and the drafts': the columns `accept_draft` keeps of the dense rows.
+    named = torch.cat([draft_ids[draft_values > 0], target_ids[target_values > 0], draft_tokens.flatten()]).long()
+    columns = named[named >= 0].unique()  # sorted ascending
 
     def narrow(ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:  # [rows, len(columns)]
         ids = ids.long()
@@ -129,9 +173,9 @@ def accept_draft_sparse(
         return out.scatter_(-1, at, values.float())[:, :-1]
 
     drafted = torch.searchsorted(columns, draft_tokens.long())
-    accepted_len, next_column = _decide_block(drafted.unsqueeze(0), narrow(draft_ids, draft_values).unsqueeze(0),
-                                              narrow(target_ids, target_values).unsqueeze(0), generator)
-    return int(accepted_len[0]), int(columns[next_column[0]])
+    accepted_len, next_column = accept_draft(drafted, narrow(draft_ids, draft_values), narrow(target_ids, target_values),
+                                             generator)
+    return accepted_len, int(columns[next_column])
 
 
 def accept_tree_sampled(

@@ -251,12 +251,6 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None, uniform:
     return chosen
 
 
-def row_mass(probs: torch.Tensor) -> torch.Tensor:
-    """Each row's total as `draw` sums it (float64, in id order, zeros skipped): equal to the bit
-    for the same entries laid out on any columns that keep their order. [rows, vocab] → [rows]."""
-    return _cumulative_of_mass(probs)[0][:, -1]
-
-
 _CHUNK = 256  # ids a chunk in `_cumulative_of_mass` and `largest`
 
 

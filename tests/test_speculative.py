@@ -40,7 +40,15 @@ from specwire.orchestrator.speedup import (
 )
 from transformers import GenerationConfig
 
-from specwire.acceptance import accept_draft, accept_draft_sparse, accept_drafts, block_ends, residual_distribution
+from specwire.acceptance import (
+    accept_draft,
+    accept_draft_sparse,
+    accept_drafts,
+    block_end,
+    block_ends,
+    block_weights,
+    residual_distribution,
+)
 from specwire.engine import CausalLM, Engine
 from specwire.errors import InvalidArgument
 from specwire.processing import ProcessingConfig, sampling_distribution, sampling_probs, scatter_probs
@@ -110,12 +118,23 @@ def test_without_drafts_the_next_token_is_drawn_from_the_target() -> None:
 
 
 def test_single_round_equals_a_batch_of_one_and_a_seed_reproduces_it() -> None:
-    q, p = random_probs(4, 9, seed=2), random_probs(5, 9, seed=3)
-    tokens = torch.tensor([1, 2, 3, 4])
-    single = accept_draft(tokens, q, p, torch.Generator().manual_seed(7))
-    accepted_len, next_token = accept_drafts(tokens[None], q[None], p[None], torch.Generator().manual_seed(7))
-    assert single == (int(accepted_len[0]), int(next_token[0]))
-    assert single == accept_draft(tokens, q, p, torch.Generator().manual_seed(7))
+    """`accept_draft` tries the ends from the last back, `accept_drafts` computes them all: the
+    same decision from the same draws, at γ 0 to 5, every round length, zeros in p and q."""
+    lengths = set()
+    for seed in range(120):
+        gamma = seed % 6
+        p = random_probs(gamma + 1, 9, seed=2 * seed + 1)
+        q = 0.8 * p[:gamma] + 0.2 * random_probs(gamma, 9, seed=2 * seed)
+        q[:, seed % 9] = 0.0
+        p[:, (seed + 3) % 9] = 0.0
+        q, p = q / q.sum(-1, keepdim=True), p / p.sum(-1, keepdim=True)
+        tokens = torch.multinomial(q, 1, generator=torch.Generator().manual_seed(seed)).squeeze(-1) if gamma else torch.zeros(0, dtype=torch.long)
+        single = accept_draft(tokens, q, p, torch.Generator().manual_seed(seed))
+        accepted_len, next_token = accept_drafts(tokens[None], q[None], p[None], torch.Generator().manual_seed(seed))
+        assert single == (int(accepted_len[0]), int(next_token[0]))
+        assert single == accept_draft(tokens, q, p, torch.Generator().manual_seed(seed))
+        lengths.add((gamma, single[0]))
+    assert {kept for gamma, kept in lengths if gamma == 5} >= {0, 1, 2, 3, 5}
 
 
 def test_a_sparse_round_is_decided_to_the_bit_as_the_dense_one() -> None:
@@ -157,7 +176,7 @@ class RandomChains:
 
 
 def round_outputs(chains: RandomChains, context: tuple[int, ...], gamma: int, residual_weight: bool = True) -> dict[tuple[int, ...], float]:
-    """Exact probability of each output of one block-verified round (`block_ends`): the kept
+    """Exact probability of each output of one block-verified round (`block_end`): the kept
     drafts and the next token, over every draft chain q can draw and every end its draws allow.
     `residual_weight` False draws the next token from max(0, p − q) instead (wrong on purpose)."""
     outputs: dict[tuple[int, ...], float] = {}
@@ -167,12 +186,15 @@ def round_outputs(chains: RandomChains, context: tuple[int, ...], gamma: int, re
             continue
         q = torch.stack([chains("q", context + drafts[:i]) for i in range(gamma)]).unsqueeze(0)
         p = torch.stack([chains("p", context + drafts[:i]) for i in range(gamma + 1)]).unsqueeze(0)
-        h, residual, rho = (part[0] for part in block_ends(torch.tensor([drafts]), q, p))
-        if not residual_weight:
-            residual = (p[0] - torch.cat([q[0], torch.zeros(1, 3, dtype=torch.float64)])).clamp_min(0.0)
+        chain = torch.tensor([drafts])
+        h, w = block_ends(chain, q, p)[0], block_weights(chain, q, p)
         for kept in range(gamma + 1):
             ends = (float(h[kept]) if kept else 1.0) * float(torch.prod(1 - h[kept + 1 :]))
-            row = residual[kept] if float(residual[kept].sum()) > 0 else p[0, kept]
+            draft_row = q[:, kept] if kept < gamma else None
+            row = block_end(w[:, kept], p[:, kept], draft_row)[0][0]
+            if not residual_weight:
+                row = (p[0, kept] - (q[0, kept] if kept < gamma else 0.0)).clamp_min(0.0)
+            row = row if float(row.sum()) > 0 else p[0, kept]
             for token in range(3):
                 chance = drawn * ends * float(row[token] / row.sum())
                 if chance > 0:
