@@ -46,7 +46,9 @@ def block_weights(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_
     return torch.stack(weights, dim=1)
 
 
-def block_end(w: torch.Tensor, target_row: torch.Tensor, draft_row: torch.Tensor | None, scalar: float | None = None) -> tuple[Any, ...]:
+def block_end(
+    w: torch.Tensor, target_row: torch.Tensor, draft_row: torch.Tensor | None, scalar: float | None = None
+) -> tuple[torch.Tensor, Any, Any]:
     """After i drafts (w = w_i [B], target_row p_{i+1} [B, V], draft_row q_{i+1} [B, V], None past
     the last draft): the residual r_i = max(0, w_i p_{i+1} − q_{i+1}) [B, V] in p's dtype, its
     mass ρ_i [B] and h_i = ρ_i / (ρ_i + 1 − w_i) [B] float64 (1 where both are 0). With
@@ -117,9 +119,8 @@ def _decide_block(
     accepted_len = (hit.long() * torch.arange(1, gamma + 1)).amax(dim=-1) if gamma else hit.new_zeros(batch, dtype=torch.long)
     rows = torch.arange(batch)
     w = block_weights(draft_tokens, draft_probs, target_probs)[rows, accepted_len]
-    drafted = accepted_len < gamma
-    draft_row = torch.where(drafted.unsqueeze(-1), draft_probs[rows, accepted_len.clamp_max(max(gamma - 1, 0))], 0.0) if gamma else None
-    residual, rho, _ = block_end(w, target_probs[rows, accepted_len], draft_row)
+    q_next = torch.cat([draft_probs, torch.zeros_like(target_probs[:, :1])], dim=1)  # q_{γ+1} = 0
+    residual, rho, _ = block_end(w, target_probs[rows, accepted_len], q_next[rows, accepted_len])
     # No mass left in r_i: p_{i+1} (as token acceptance's correction falls back to p).
     return accepted_len, draw(torch.where((rho > 0).unsqueeze(-1), residual, target_probs[rows, accepted_len]), generator)
 
