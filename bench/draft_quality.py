@@ -70,7 +70,7 @@ def round_tokens(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -
     1 + Σ_t Π_{i≤t} min(1, p_i(x_i)/q_i(x_i)); by block, 1 + Σ_t t·h_t·Π_{i>t}(1 − h_i)."""
     index = draft_tokens.unsqueeze(-1)
     kept = (p[:-1].gather(-1, index) / q.gather(-1, index)).squeeze(-1).clamp_max(1.0).double().cumprod(0)
-    h = block_ends(draft_tokens.unsqueeze(0), q.unsqueeze(0), p.unsqueeze(0))[0]  # [γ+1]
+    h = block_ends(draft_tokens.unsqueeze(0), q.unsqueeze(0), p.unsqueeze(0))[0][0]  # [γ+1]
     later = torch.cat([torch.flip(torch.cumprod(torch.flip(1 - h[1:], [0]), 0), [0])[1:], h.new_ones(1)])  # Π_{i>t}(1 − h_i)
     ends = torch.arange(1, len(draft_tokens) + 1, dtype=torch.float64)
     return 1.0 + float(kept.sum()), 1.0 + float((ends * h[1:] * later).sum())

@@ -65,13 +65,15 @@ def block_end(
     return residual, rho, torch.where(ends > 0, rho / ends, 1.0)
 
 
-def block_ends(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """h [B, γ+1] (`block_end` at every i; h_0 unused): draft i ends a block-verified round with
-    probability h_i · Π_{j>i} (1 − h_j)."""
+def block_ends(
+    draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [B, γ+1] (`block_end` at every i; h_0 unused), and the weights w it came from
+    (`block_weights`): draft i ends a block-verified round with probability h_i · Π_{j>i} (1 − h_j)."""
     gamma = draft_tokens.shape[1]
     w = block_weights(draft_tokens, draft_probs, target_probs)
     ends = [block_end(w[:, i], target_probs[:, i], draft_probs[:, i] if i < gamma else None)[2] for i in range(gamma + 1)]
-    return torch.stack(ends, dim=1)
+    return torch.stack(ends, dim=1), w
 
 
 def accept_drafts(
@@ -95,17 +97,24 @@ def accept_drafts(
     draft_tokens: [B, γ] int; draft_probs q: [B, γ, V]; target_probs p: [B, γ+1, V].
     Returns accepted_len [B] int64 in [0, γ] and next_token [B] int64.
     """
-    batch, gamma = draft_tokens.shape
+    columns, draft_tokens, draft_probs, target_probs = _held_columns(draft_tokens, draft_probs, target_probs)
+    accepted_len, next_token = _decide_block(draft_tokens, draft_probs, target_probs, generator)
+    return accepted_len, next_token if columns is None else columns[next_token]
+
+
+def _held_columns(
+    draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The columns where some row of p or q has mass, and the drafts' ([n] ascending; None if
+    that is all of them), with the drafts as indices into them and p and q narrowed to them."""
     held = target_probs.flatten(0, -2).amax(dim=0) > 0
-    if gamma:
+    if draft_tokens.shape[-1]:
         held |= draft_probs.flatten(0, -2).amax(dim=0) > 0
     held[draft_tokens.long().flatten()] = True
     if bool(held.all()):
-        return _decide_block(draft_tokens, draft_probs, target_probs, generator)
-    columns = held.nonzero().squeeze(-1)  # [n] ascending
-    drafted = torch.searchsorted(columns, draft_tokens.long())
-    accepted_len, next_column = _decide_block(drafted, draft_probs[..., columns], target_probs[..., columns], generator)
-    return accepted_len, columns[next_column]
+        return None, draft_tokens, draft_probs, target_probs
+    columns = held.nonzero().squeeze(-1)
+    return columns, torch.searchsorted(columns, draft_tokens.long()), draft_probs[..., columns], target_probs[..., columns]
 
 
 def _decide_block(
@@ -113,14 +122,13 @@ def _decide_block(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`accept_drafts` on the columns given: every end's h, then each round's last hit."""
     batch, gamma = draft_tokens.shape
-    h = block_ends(draft_tokens, draft_probs, target_probs)  # [B, γ+1]
+    h, weights = block_ends(draft_tokens, draft_probs, target_probs)  # [B, γ+1] each
     hit = torch.rand((batch, gamma), generator=generator).double() < h[:, 1:]  # [B, γ]
     # The last i with a hit (its index plus one, at most γ), else 0.
     accepted_len = (hit.long() * torch.arange(1, gamma + 1)).amax(dim=-1) if gamma else hit.new_zeros(batch, dtype=torch.long)
     rows = torch.arange(batch)
-    w = block_weights(draft_tokens, draft_probs, target_probs)[rows, accepted_len]
     q_next = torch.cat([draft_probs, torch.zeros_like(target_probs[:, :1])], dim=1)  # q_{γ+1} = 0
-    residual, rho, _ = block_end(w, target_probs[rows, accepted_len], q_next[rows, accepted_len])
+    residual, rho, _ = block_end(weights[rows, accepted_len], target_probs[rows, accepted_len], q_next[rows, accepted_len])
     # No mass left in r_i: p_{i+1} (as token acceptance's correction falls back to p).
     return accepted_len, draw(torch.where((rho > 0).unsqueeze(-1), residual, target_probs[rows, accepted_len]), generator)
 
@@ -133,14 +141,7 @@ def accept_draft(
     each residual computed when reached: the first hit from the end decides, so a round pays
     for one or two residuals, not γ + 1 (each the whole vocabulary where p is dense)."""
     gamma = int(draft_tokens.shape[0])
-    tokens, q, p = draft_tokens.unsqueeze(0), draft_probs.unsqueeze(0), target_probs.unsqueeze(0)
-    held = p[0].amax(dim=0) > 0
-    if gamma:
-        held |= q[0].amax(dim=0) > 0
-    held[tokens.long().flatten()] = True
-    columns = None if bool(held.all()) else held.nonzero().squeeze(-1)
-    if columns is not None:
-        tokens, q, p = torch.searchsorted(columns, tokens.long()), q[..., columns], p[..., columns]
+    columns, tokens, q, p = _held_columns(draft_tokens.unsqueeze(0), draft_probs.unsqueeze(0), target_probs.unsqueeze(0))
     weights = block_weights(tokens, q, p)  # [1, γ+1]
     w, uniform = weights[0].tolist(), torch.rand((1, gamma), generator=generator).double()[0].tolist()
     for kept in range(gamma, -1, -1):

@@ -46,7 +46,6 @@ from specwire.acceptance import (
     accept_drafts,
     block_end,
     block_ends,
-    block_weights,
     residual_distribution,
 )
 from specwire.engine import CausalLM, Engine
@@ -187,7 +186,8 @@ def round_outputs(chains: RandomChains, context: tuple[int, ...], gamma: int, re
         q = torch.stack([chains("q", context + drafts[:i]) for i in range(gamma)]).unsqueeze(0)
         p = torch.stack([chains("p", context + drafts[:i]) for i in range(gamma + 1)]).unsqueeze(0)
         chain = torch.tensor([drafts])
-        h, w = block_ends(chain, q, p)[0], block_weights(chain, q, p)
+        ends_h, w = block_ends(chain, q, p)
+        h = ends_h[0]
         for kept in range(gamma + 1):
             ends = (float(h[kept]) if kept else 1.0) * float(torch.prod(1 - h[kept + 1 :]))
             draft_row = q[:, kept] if kept < gamma else None
