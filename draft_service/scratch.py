@@ -34,6 +34,7 @@ from transformers import (
 
 from specwire import teacher_cache
 from specwire.engine.trimmed_vocab import TrimmedVocab
+from specwire.processing import ProcessingConfig
 from specwire.sparse_distill import alpha_bounds, coarse_kl, draft_vocabulary, sparse_targets, warped_alpha
 
 HEAD_DIM = 64
@@ -123,28 +124,21 @@ def load_draft(directory: Path) -> tuple[LlamaForCausalLM, TrimmedVocab]:
     return model, vocab
 
 
-@dataclass(frozen=True)
-class Warpers:
-    """A sampled request's warpers, as `--accept-warpers T,K,P` gives them."""
-    temperature: float
-    top_k: int
-    top_p: float
-
-    @classmethod
-    def parse(cls, text: str) -> Warpers:
-        try:
-            temperature, top_k, top_p = text.split(",")
-            warpers = cls(float(temperature), int(top_k), float(top_p))
-        except ValueError:
-            raise SystemExit(f"--accept-warpers {text!r}: give T,K,P, e.g. 0.666,27,0.9") from None
-        if warpers.temperature <= 0 or warpers.top_k < 0 or not 0 < warpers.top_p <= 1:
-            raise SystemExit(f"--accept-warpers {text!r}: T must be > 0, K ≥ 0, P in (0, 1]")
-        return warpers
+def parse_warpers(text: str) -> ProcessingConfig:
+    """`--accept-warpers T,K,P`: a sampled request's temperature, top-k and top-p."""
+    try:
+        temperature, top_k, top_p = text.split(",")
+        warpers = ProcessingConfig(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+    except ValueError:
+        raise SystemExit(f"--accept-warpers {text!r}: give T,K,P, e.g. 0.666,27,0.9") from None
+    if warpers.temperature <= 0 or warpers.top_k < 0 or not 0 < warpers.top_p <= 1:
+        raise SystemExit(f"--accept-warpers {text!r}: T must be > 0, K ≥ 0, P in (0, 1]")
+    return warpers
 
 
 @torch.no_grad()
 def measure(model: Any, split: dict[str, torch.Tensor], vocab: TrimmedVocab, batch_size: int,
-            warpers: Warpers) -> dict[str, float]:
+            warpers: ProcessingConfig) -> dict[str, float]:
     """Held-out α (lower and upper bound), greedy agreement, KL_S and α under `warpers`, averaged
     over positions."""
     model.eval()
@@ -159,7 +153,7 @@ def measure(model: Any, split: dict[str, torch.Tensor], vocab: TrimmedVocab, bat
         lower, upper = alpha_bounds(teacher, idx, inside, logits)
         top1 = split["topk_ids"][start : start + batch_size, :, 0].long()  # [B, T]: the teacher's argmax
         agree = target_ids[logits.argmax(-1)] == top1
-        sampled = warped_alpha(teacher, idx, inside, logits, warpers.temperature, warpers.top_k, warpers.top_p)
+        sampled = warped_alpha(teacher, idx, inside, logits, warpers)
         sums += [float(lower.sum()), float(upper.sum()), float(agree.sum()), float(coarse_kl(teacher, idx, inside, logits).sum()),
                  float(sampled.sum())]
         count += lower.numel()
@@ -232,7 +226,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     table, inputs = vocab.draft_ids(missing=-1), vocab.draft_ids()
     print(f"{used} cached training windows, {len(text)} text windows, {len(held_out['tokens'])} held out; "
           f"draft {shape.layers} × {shape.hidden}, vocabulary {len(vocab.ids)} of {vocab.target_vocab_size}", flush=True)
-    warpers = Warpers.parse(args.accept_warpers)
+    warpers = parse_warpers(args.accept_warpers)
     before = measure(model, held_out, vocab, args.batch_size, warpers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     bf16 = args.bf16 and teacher_cache.bfloat16_pays()
@@ -252,7 +246,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             teacher = cached["topk_logp"][chosen]
             loss = coarse_kl(teacher, idx, inside, logits).mean()
             if args.accept_weight:
-                accepted = warped_alpha(teacher, idx, inside, logits.float(), warpers.temperature, warpers.top_k, warpers.top_p)
+                accepted = warped_alpha(teacher, idx, inside, logits.float(), warpers)
                 loss = loss + args.accept_weight * (1 - accepted.mean())
             if len(text):
                 windows = text[np.sort(rng.choice(len(text), min(args.text_batch, len(text)), replace=False))]
@@ -275,7 +269,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "teacher_cache": {"windows": used, "held_out_windows": len(held_out["tokens"]),
                           "seq_len": cache.spec.seq_len, "top_k": cache.spec.top_k},
         "init": str(args.init) if args.init else None, "text_windows": len(text), "text_weight": args.text_weight, "text_batch": args.text_batch, "embedding_init": args.embedding_init,
-        "accept_weight": args.accept_weight, "accept_warpers": asdict(warpers),
+        "accept_weight": args.accept_weight, "accept_warpers": {"temperature": warpers.temperature, "top_k": warpers.top_k, "top_p": warpers.top_p},
         "shape": asdict(shape) | {"heads": shape.heads, "kv_heads": min(shape.kv_heads, shape.heads), "intermediate": shape.intermediate},
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab_coverage": float(np.isin(corpus.train_stream, np.asarray(vocab.ids)).mean()),

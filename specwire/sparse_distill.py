@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from specwire.engine.trimmed_vocab import TrimmedVocab, most_frequent
+from specwire.processing import ProcessingConfig
 from specwire.tokenizer import eos_token_ids
 
 
@@ -76,15 +77,16 @@ def _warp(scores: torch.Tensor, temperature: float, top_p: float) -> torch.Tenso
 
 
 def warped_alpha(teacher_logp: torch.Tensor, teacher_idx: torch.Tensor, inside: torch.Tensor,
-                 student_logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+                 student_logits: torch.Tensor, warpers: ProcessingConfig) -> torch.Tensor:
     """α = Σ_x min(p_w(x), q_w(x)) per position [...], p and q warped as a sampled request warps them
-    (temperature, then top-k, then top-p): what a sampled round accepts. Exact for top-k ≤ the
-    cache's k, since p_w then lives on the cached ids. teacher_logp, teacher_idx, inside: [..., k],
-    best first (`sparse_targets`); student_logits [..., K]. Differentiable in q's values."""
-    k = min(top_k or teacher_logp.shape[-1], teacher_logp.shape[-1])
-    p = _warp(teacher_logp[..., :k], temperature, top_p) * inside[..., :k]  # ids the draft lacks: q = 0 there
+    (temperature, then top-k, then top-p; `warpers`' other fields unread): what a sampled round
+    accepts. Exact for top-k ≤ the cache's k, since p_w then lives on the cached ids.
+    teacher_logp, teacher_idx, inside: [..., k], best first (`sparse_targets`); student_logits
+    [..., K]. Differentiable in q's values."""
+    k = min(warpers.top_k or teacher_logp.shape[-1], teacher_logp.shape[-1])
+    p = _warp(teacher_logp[..., :k], warpers.temperature, warpers.top_p) * inside[..., :k]  # ids the draft lacks: q = 0 there
     values, ids = student_logits.topk(min(k, student_logits.shape[-1]), dim=-1)  # [..., k], best first
-    q = _warp(values, temperature, top_p)
+    q = _warp(values, warpers.temperature, warpers.top_p)
     same = teacher_idx[..., :k, None] == ids[..., None, :]  # [..., k, k]
     pairs = torch.minimum(p[..., :, None], q[..., None, :])
     return torch.where(same & inside[..., :k, None], pairs, 0.0).sum((-2, -1))

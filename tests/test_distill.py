@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from specwire.client.cli import main as cli_main
 from specwire.draft_service.distill import acceptance, distillation_loss, greedy_agreement
-from specwire.draft_service.scratch import Warpers
+from specwire.draft_service.scratch import parse_warpers
 from transformers import GenerationConfig
 
 from specwire.engine import CausalLM
@@ -45,17 +45,17 @@ def test_warped_alpha_from_the_cached_top_k_equals_alpha_of_the_warped_dense_dis
         warpers = ProcessingConfig(temperature=temperature, top_k=6, top_p=top_p)
         p, q = sampling_probs(target_logits, none, warpers), sampling_probs(dense_draft, none, warpers)
         expected = torch.minimum(p, q).sum(-1)
-        got = warped_alpha(logp, idx, inside, draft_logits, temperature, 6, top_p)
+        got = warped_alpha(logp, idx, inside, draft_logits, warpers)
         assert torch.allclose(got, expected, atol=1e-5)
         assert 0.2 < float(got.mean()) < 0.95
-        assert torch.allclose(warped_alpha(logp, idx, inside, target_logits[:, kept], temperature, 6, top_p)[inside[:, :6].all(-1)], torch.tensor(1.0), atol=1e-5)
+        assert torch.allclose(warped_alpha(logp, idx, inside, target_logits[:, kept], warpers)[inside[:, :6].all(-1)], torch.tensor(1.0), atol=1e-5)
 
 
 @pytest.mark.parametrize("text", ["0.7,27", "hot,27,0.9", "0,27,0.9", "0.7,-1,0.9", "0.7,27,1.5"])
 def test_a_bad_accept_warpers_flag_is_refused_naming_it(text: str) -> None:
     with pytest.raises(SystemExit, match="--accept-warpers"):
-        Warpers.parse(text)
-    assert Warpers.parse("0.7,27,0.9") == Warpers(0.7, 27, 0.9)
+        parse_warpers(text)
+    assert parse_warpers("0.7,27,0.9") == ProcessingConfig(temperature=0.7, top_k=27, top_p=0.9)
 
 
 def test_distill_moves_the_draft_toward_the_target_and_is_deterministic(
