@@ -29,13 +29,12 @@ from typing import Any
 
 import torch
 from specwire.bench.bench import BASE_WARPERS, load_prompts
-from specwire.bench.quality import greedy, held_out_windows, window_logits
+from specwire.bench.quality import greedy, held_out_windows, last_logits, window_logits
 from specwire.draft_service.self_text import continuation
 
 from specwire.acceptance import block_ends
 from specwire.engine import CausalLM, Engine, EngineLimits
 from specwire.processing import ProcessingConfig, sampling_probs
-from specwire.session import OpenRequest, ScoreKind, Scoring
 
 
 def pair_sums(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
@@ -94,17 +93,6 @@ def block_sums(target: Engine, drafter: Engine, sequence: list[int], start: int,
         for length in range(1, gamma + 1):
             sums[:, length - 1] += torch.tensor(round_tokens(chain[:length], q[:length], p[: length + 1]), dtype=torch.float64)
     return sums
-
-
-def last_logits(engine: Engine, ids: list[int], positions: int) -> torch.Tensor:
-    """The logits of the last `positions` positions of `ids`, uncached: [positions, vocab]."""
-    session = engine.new_session()
-    try:
-        opened = session.open(OpenRequest(prompt_ids=ids, scoring=Scoring(ScoreKind.LOGITS, positions=positions)))
-    finally:
-        session.close()
-    assert opened.scores is not None and opened.scores.dense is not None
-    return opened.scores.dense.float().reshape(positions, -1)
 
 
 def figures(sums: torch.Tensor, count: int) -> dict[str, float]:

@@ -40,15 +40,21 @@ def held_out_windows(tokenizer: Any, windows: int, window: int) -> list[list[int
     return out
 
 
-def window_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """Teacher-forced logits of every position but the last: [len − 1, vocab] float32."""
+def last_logits(engine: Engine, ids: list[int], positions: int) -> torch.Tensor:
+    """Teacher-forced logits of the last `positions` positions of `ids`, in a session of their
+    own: [positions, vocab] float32."""
     session = engine.new_session()
     try:
-        opened = session.open(OpenRequest(prompt_ids=ids, scoring=Scoring(ScoreKind.LOGITS, positions=len(ids))))
+        opened = session.open(OpenRequest(prompt_ids=ids, scoring=Scoring(ScoreKind.LOGITS, positions=positions)))
     finally:
         session.close()
     assert opened.scores is not None and opened.scores.dense is not None
-    return opened.scores.dense.float()[:-1]
+    return opened.scores.dense.float().reshape(positions, -1)
+
+
+def window_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """Teacher-forced logits of every position but the last: [len − 1, vocab] float32."""
+    return last_logits(engine, ids, len(ids))[:-1]
 
 
 def greedy(engine: Engine, ids: list[int], new_tokens: int) -> list[int]:
