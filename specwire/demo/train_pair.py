@@ -529,7 +529,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "seed": args.seed,
         "threads": args.threads,
         "corpus": {
-            "stdlib_dir": str(corpus.stdlib_dir),
+            # The folder's name, not its path: the report ships in the package; the digest names the text.
+            "stdlib": corpus.stdlib_dir.name,
             "train_files": len(corpus.train),
             "val_files": len(corpus.val),
             "bytes": corpus.num_bytes,
