@@ -945,7 +945,12 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             if gguf is None or not llamacpp.available():
                 results["llamacpp"].error = "needs llama-cpp-python and the target's GGUF (--gguf)"
             else:
-                llama = llamacpp.LlamaCppRunner(Path(gguf), config.target_threads or os.cpu_count() or 1)
+                threads = config.target_threads or os.cpu_count() or 1
+                failure = llamacpp.decode_failure(Path(gguf), threads)
+                if failure is not None:
+                    results["llamacpp"].error = failure
+                else:
+                    llama = llamacpp.LlamaCppRunner(Path(gguf), threads)
 
         def call(row: str, ids: list[int], max_new_tokens: int) -> Sample:
             if row.startswith("hf_"):

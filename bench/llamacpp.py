@@ -6,14 +6,19 @@ It is what a CPU user would run instead of specwire: the same prompts as token i
 call's does. llama.cpp keeps its own weights in the GGUF's quantisation (Q4_K_M for
 Gemma-3-270M), so its tokens may differ from the float target's where logits nearly tie.
 
-On CPUs with AMX, llama.cpp 0.3.36 built with its native flags segfaults in its first decode
-(ggml-org/llama.cpp#20824); build it with AMX off: see docs/performance.md.
+On CPUs with AMX, llama.cpp 0.3.36 built with its native flags dies evaluating its first prompt
+(ggml-org/llama.cpp#20824: a segfault, or SIGILL); build it with AMX off: see docs/performance.md.
+The bench decodes a short prompt in a child process first (`decode_failure`), so that such a build
+fails its row, not the whole run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +40,36 @@ def find_gguf(target_model: str) -> Path | None:
         return path
     found = sorted((path / "gguf").glob("*.gguf")) if path.is_dir() else []
     return found[0] if found else None
+
+
+PROBE_TIMEOUT_S = 300.0
+# A 32-token prompt and two new tokens, in a child process: a prompt's batched matrix products
+# are where an AMX build dies (one token from BOS alone decodes).
+_PROBE = ("from pathlib import Path; from specwire.bench.llamacpp import LlamaCppRunner; "
+          "runner = LlamaCppRunner(Path({gguf!r}), {threads}); runner.generate([runner.llm.token_bos()] * 32, 2)")
+
+
+def decode_failure(gguf: Path, threads: int) -> str | None:
+    """Why llama.cpp cannot decode `gguf` here, found in a child process (None if it can): a
+    native crash in the bench's own process would end the whole run without a word."""
+    return child_failure([sys.executable, "-c", _PROBE.format(gguf=str(gguf), threads=threads)])
+
+
+def child_failure(argv: list[str]) -> str | None:
+    """What ended the probe `argv` other than success, as the row's error; None on exit status 0."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"llama.cpp did not decode a 32-token prompt in {PROBE_TIMEOUT_S:.0f} s (a child process)"
+    if done.returncode == 0:
+        return None
+    if done.returncode < 0:
+        how = f"killed by {signal.Signals(-done.returncode).name}"
+    else:
+        last = done.stderr.strip().splitlines()[-1:] or [""]
+        how = f"exit status {done.returncode}: {last[0]}"
+    return (f"llama.cpp could not decode a 32-token prompt in a child process ({how}); where the CPU has AMX, "
+            "build llama-cpp-python without it (docs/performance.md)")
 
 
 class LlamaCppRunner:

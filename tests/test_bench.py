@@ -539,6 +539,21 @@ def test_llamacpp_row_runs_the_targets_gguf(models_dir: Path, tokenizer: Any) ->
     assert rows["llamacpp"]["matches_hf_target"] == 1.0
 
 
+def test_a_llamacpp_probe_that_dies_names_how() -> None:
+    """The llamacpp row's probe runs in a child process: a native crash (llama.cpp built with AMX
+    on a CPU that has it dies of SIGILL or SIGSEGV) becomes the row's error, not the bench's end."""
+    import sys
+
+    from specwire.bench import llamacpp
+
+    python = sys.executable
+    assert llamacpp.child_failure([python, "-c", "pass"]) is None
+    killed = llamacpp.child_failure([python, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"])
+    assert killed is not None and "killed by SIGILL" in killed and "AMX" in killed
+    failed = llamacpp.child_failure([python, "-c", "raise SystemExit('no model here')"])
+    assert failed is not None and "exit status 1: no model here" in failed
+
+
 def test_a_targets_own_pair_supplies_the_bench_draft_and_medusa_heads(tmp_path: Path) -> None:
     """`specwire pair` leaves DIR/draft, DIR/medusa and DIR/feature-drafter: the bench takes them
     without flags, the feature drafter before the Medusa heads."""
