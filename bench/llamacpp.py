@@ -63,13 +63,12 @@ def child_failure(argv: list[str]) -> str | None:
         return f"llama.cpp did not decode a 32-token prompt in {PROBE_TIMEOUT_S:.0f} s (a child process)"
     if done.returncode == 0:
         return None
-    if done.returncode < 0:
-        how = f"killed by {signal.Signals(-done.returncode).name}"
-    else:
-        last = done.stderr.strip().splitlines()[-1:] or [""]
-        how = f"exit status {done.returncode}: {last[0]}"
-    return (f"llama.cpp could not decode a 32-token prompt in a child process ({how}); where the CPU has AMX, "
-            "build llama-cpp-python without it (docs/performance.md)")
+    failed = "llama.cpp could not decode a 32-token prompt in a child process"
+    if done.returncode < 0:  # a native crash: the known one is AMX's
+        return (f"{failed} (killed by {signal.Signals(-done.returncode).name}); where the CPU has AMX, "
+                "build llama-cpp-python without it (docs/performance.md)")
+    last = done.stderr.strip().splitlines()[-1:] or [""]
+    return f"{failed} (exit status {done.returncode}: {last[0]})"
 
 
 class LlamaCppRunner:
