@@ -43,27 +43,29 @@ def find_gguf(target_model: str) -> Path | None:
 
 
 PROBE_TIMEOUT_S = 300.0
-# A 32-token prompt and two new tokens, in a child process: a prompt's batched matrix products
-# are where an AMX build dies (one token from BOS alone decodes).
+# A prompt of this many tokens and two new ones, in a child process: a prompt's batched matrix
+# products are where an AMX build dies (one token from BOS alone decodes).
+PROBE_PROMPT_TOKENS = 32
 _PROBE = ("from pathlib import Path; from specwire.bench.llamacpp import LlamaCppRunner; "
-          "runner = LlamaCppRunner(Path({gguf!r}), {threads}); runner.generate([runner.llm.token_bos()] * 32, 2)")
+          "runner = LlamaCppRunner(Path({gguf!r}), {threads}); runner.generate([runner.llm.token_bos()] * {tokens}, 2)")
 
 
 def decode_failure(gguf: Path, threads: int) -> str | None:
     """Why llama.cpp cannot decode `gguf` here, found in a child process (None if it can): a
     native crash in the bench's own process would end the whole run without a word."""
-    return child_failure([sys.executable, "-c", _PROBE.format(gguf=str(gguf), threads=threads)])
+    return child_failure([sys.executable, "-c", _PROBE.format(gguf=str(gguf), threads=threads, tokens=PROBE_PROMPT_TOKENS)])
 
 
 def child_failure(argv: list[str]) -> str | None:
     """What ended the probe `argv` other than success, as the row's error; None on exit status 0."""
+    prompt = f"a {PROBE_PROMPT_TOKENS}-token prompt"
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return f"llama.cpp did not decode a 32-token prompt in {PROBE_TIMEOUT_S:.0f} s (a child process)"
+        return f"llama.cpp did not decode {prompt} in {PROBE_TIMEOUT_S:.0f} s (a child process)"
     if done.returncode == 0:
         return None
-    failed = "llama.cpp could not decode a 32-token prompt in a child process"
+    failed = f"llama.cpp could not decode {prompt} in a child process"
     if done.returncode < 0:  # a native crash: the known one is AMX's
         return (f"{failed} (killed by {signal.Signals(-done.returncode).name}); where the CPU has AMX, "
                 "build llama-cpp-python without it (docs/performance.md)")
