@@ -292,6 +292,29 @@ def test_w8a8_equals_its_formula_for_every_row_alone_and_compiled(isa: str) -> N
         kernel.use_vnni(True)
 
 
+def test_w8a8_on_amx_gives_vnni_bits() -> None:
+    """Where the CPU has AMX, products of 1 to 50 rows (one, two and three row tiles a pass, a
+    second pass past 48) give the VNNI path's bits: the tiles' int32 sums are the same integers."""
+    from torch import nn
+
+    kernel = w4a8_kernel()
+    from_rows = kernel.amx_rows()
+    try:
+        if not kernel.use_amx(True, 1):
+            pytest.skip("this CPU (or its OS) offers no AMX")
+        torch.manual_seed(0)
+        for in_features, out_features in ((640, 1000), (2048, 40), (1024, 33)):
+            layer = W8A8Linear(nn.Linear(in_features, out_features))
+            for rows in (1, 5, 16, 17, 33, 48, 50):
+                x = torch.randn(rows, in_features) * torch.logspace(-2, 2, rows)[:, None]
+                kernel.use_amx(True, 1)
+                tiles = layer(x)
+                kernel.use_amx(False, 1)
+                assert torch.equal(tiles, layer(x)), (in_features, out_features, rows)
+    finally:
+        kernel.use_amx(True, from_rows)
+
+
 def test_an_unknown_quantisation_is_refused_naming_the_flag(arch_dir: Path) -> None:
     with pytest.raises(ValueError, match="--quantize"):
         CausalLM.load(str(arch_dir), device="cpu", quantization="int3")

@@ -25,6 +25,7 @@ never between a session's solo and batched runs.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, cast
 
 import torch
@@ -356,6 +357,9 @@ def w4a8_kernel() -> Any:
           colsum128: torch.Tensor, out_features: int) -> torch.Tensor:
         return q.new_empty((q.shape[0], out_features), dtype=torch.float32)
 
+    # $SPECWIRE_AMX=0 keeps w8a8 on VNNI where the CPU has AMX (the same bits; to compare their speed).
+    if os.environ.get("SPECWIRE_AMX", "1") == "0":
+        module.use_amx(False, module.amx_rows())
     _W4A8 = module
     return module
 

@@ -16,7 +16,10 @@
 // depends on its batch.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -164,6 +167,89 @@ void tiles_vnni(const int8_t* q, const float* qsum, const float* row_scale, cons
   }
 }
 
+// w8a8 on AMX, where the CPU has it: tiles of 16 rows × 64 bytes in registers of its own. tdpbusd
+// adds each four byte products into an int32 as vpdpbusd does, so each sum is the same exact
+// integer, and the float steps after it are VNNI's: the same bits. One weight tile serves 16 rows
+// in one instruction where VNNI takes one a row, so several positions or sessions' rows read the
+// weights at about one row's cost (docs/engine.md). w4a8 stays on VNNI: its sums leave the tiles
+// every 32 inputs for their group's float steps, and tried that way it was slower than VNNI.
+constexpr int kTileRows = 16;
+constexpr int kRowTiles = 3;                     // row tiles a pass: sums in tmm0-2, activations in tmm3-5, weights tmm6
+constexpr int kAmxRows = kTileRows * kRowTiles;  // rows a pass
+
+// ldtilecfg's 64 bytes (Intel SDM, "Tile configuration"): palette 1; bytes a row and rows of each tile.
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// A pass's tiles: P row tiles of `rows` rows in all, each with its activations (64 bytes a row);
+// the weights' tile, 16 groups of 4 inputs × 16 channels.
+template <int P>
+__attribute__((target("amx-tile,amx-int8"))) void load_tiles(int64_t rows) {
+  TileConfig config;
+  for (int p = 0; p < P; ++p) {
+    const auto r = static_cast<uint8_t>(std::min<int64_t>(kTileRows, rows - p * kTileRows));
+    config.rows[p] = config.rows[kRowTiles + p] = r;
+    config.colsb[p] = config.colsb[kRowTiles + p] = 64;
+  }
+  config.rows[2 * kRowTiles] = 16;
+  config.colsb[2 * kRowTiles] = 64;
+  _tile_loadconfig(&config);
+}
+
+// The sums of row tiles 0..P-1 stored as [P][16][16] int32 (a tile's number is part of its instruction).
+template <int P>
+__attribute__((target("amx-tile,amx-int8"))) inline void store_sums(int32_t* sums) {
+  _tile_stored(0, sums, 64);
+  if constexpr (P > 1) _tile_stored(1, sums + kTileRows * 16, 64);
+  if constexpr (P > 2) _tile_stored(2, sums + 2 * kTileRows * 16, 64);
+}
+
+// P row tiles (`rows` ≤ 16·P rows of qx = q + 128, unsigned) against weight tiles [t0, t1); K a
+// multiple of 64. The packed layout already lies as AMX's weight tiles: 16 groups of 4 inputs × 16 channels.
+template <int P>
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw")))
+void tiles8_amx(const uint8_t* qx, int64_t rows, const float* row_scale, const int8_t* packed, const float* scales,
+                const int32_t* colsum128, float* y, int64_t K, int64_t N, int64_t t0, int64_t t1) {
+  load_tiles<P>(rows);
+  alignas(64) int32_t sums[P][kTileRows][16];
+  for (int64_t t = t0; t < t1; ++t) {
+    const int8_t* wt = packed + t * kTile * K;
+    _tile_zero(0);
+    if constexpr (P > 1) _tile_zero(1);
+    if constexpr (P > 2) _tile_zero(2);
+    for (int64_t k = 0; k < K; k += 64) {
+      for (int line = 0; line < 16; ++line) prefetch(wt + k * kTile + 64 * line);
+      _tile_loadd(6, wt + k * kTile, 64);
+      _tile_loadd(3, qx + k, K);
+      _tile_dpbusd(0, 3, 6);
+      if constexpr (P > 1) {
+        _tile_loadd(4, qx + kTileRows * K + k, K);
+        _tile_dpbusd(1, 4, 6);
+      }
+      if constexpr (P > 2) {
+        _tile_loadd(5, qx + 2 * kTileRows * K + k, K);
+        _tile_dpbusd(2, 5, 6);
+      }
+    }
+    store_sums<P>(&sums[0][0][0]);
+    const int64_t n = t * kTile, valid = std::min<int64_t>(kTile, N - n);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 s = _mm512_maskz_loadu_ps(lanes, scales + n);
+    const __m512i correction = _mm512_maskz_loadu_epi32(lanes, colsum128 + n);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512i dot = _mm512_load_si512(sums[r / kTileRows][r % kTileRows]);
+      const __m512 total = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, correction));
+      _mm512_mask_storeu_ps(y + r * N + n, lanes, _mm512_mul_ps(_mm512_mul_ps(total, s), _mm512_set1_ps(row_scale[r])));
+    }
+  }
+  _tile_release();
+}
+
 // tiles_vnni<R> for R = 1..8 rows: a pass of any row count up to 8 in one read of the weights.
 using Pass = void (*)(const int8_t*, const float*, const float*, const uint8_t*, const uint16_t*, float*, int64_t,
                       int64_t, int64_t, int64_t, int64_t);
@@ -246,6 +332,20 @@ bool g_vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx51
               __builtin_cpu_supports("avx512vnni");
 const bool kHasVnni = g_vnni;
 
+// AMX-TILE and AMX-INT8 (CPUID.(7,0):EDX bits 24 and 25), and the tiles' register state granted
+// by Linux, which hands it to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM, 5.16+).
+bool amx_offered() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+  constexpr long kRequestPermission = 0x1023, kTileData = 18;
+  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+}
+const bool kHasAmx = kHasVnni && amx_offered();
+bool g_amx = kHasAmx;
+// Products of fewer rows stay on VNNI: one row reads its weights as fast there, and a tile of
+// mostly empty rows buys nothing (`use_amx` sets it; both paths give the same bits).
+int64_t g_amx_rows = 4;
+
 // Every row of a product over its weight tiles, `block` tiles a task (their weights stay in cache
 // while each pass of rows reads them): VNNI passes of up to 8 rows, `vnni(m, rows, t0, t1)`; else
 // AVX2 passes of 4, 2 and 1, `avx2(std::integral_constant<int, R>, m, t0, t1)`.
@@ -263,6 +363,21 @@ void row_passes(int64_t M, int64_t T, int64_t block, const Vnni& vnni, const Avx
       for (; m + 4 <= M; m += 4) avx2(std::integral_constant<int, 4>(), m, t0, t1);
       for (; m + 2 <= M; m += 2) avx2(std::integral_constant<int, 2>(), m, t0, t1);
       for (; m < M; ++m) avx2(std::integral_constant<int, 1>(), m, t0, t1);
+    }
+  });
+}
+
+// w8a8 on AMX (`tiles8_amx`): passes of up to 48 rows over each block of `block` weight tiles.
+void amx_passes(const uint8_t* qx, const float* rs, const int8_t* wp, const float* sp, const int32_t* cp, float* yp,
+                int64_t M, int64_t K, int64_t N, int64_t T, int64_t block) {
+  at::parallel_for(0, T, block, [&](int64_t begin, int64_t end) {
+    for (int64_t t0 = begin; t0 < end; t0 += block) {
+      const int64_t t1 = std::min(end, t0 + block);
+      for (int64_t m = 0; m < M; m += kAmxRows) {
+        const int64_t rows = std::min<int64_t>(kAmxRows, M - m);
+        const auto pass = rows > 2 * kTileRows ? tiles8_amx<3> : rows > kTileRows ? tiles8_amx<2> : tiles8_amx<1>;
+        pass(qx + m * K, rows, rs + m, wp, sp, cp, yp + m * N, K, N, t0, t1);
+      }
     }
   });
 }
@@ -318,6 +433,12 @@ torch::Tensor w8a8_linear(const torch::Tensor& q, const torch::Tensor& row_scale
   const int32_t* cp = colsum128.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
   const int64_t block = std::max<int64_t>(1, kBlockBytes / (kTile * K));
+  if (g_vnni && g_amx && M >= g_amx_rows && K % 64 == 0) {
+    // AMX takes the activations unsigned (q + 128), as VNNI does, but from memory: one copy a call.
+    const torch::Tensor shifted = torch::bitwise_xor(q, -128).view(torch::kUInt8);
+    amx_passes(shifted.data_ptr<uint8_t>(), rs, wp, sp, cp, yp, M, K, N, T, block);
+    return y;
+  }
   row_passes(
       M, T, block,
       [&](int64_t m, int64_t rows, int64_t t0, int64_t t1) {
@@ -334,6 +455,14 @@ torch::Tensor w8a8_linear(const torch::Tensor& q, const torch::Tensor& row_scale
 // The instruction set the kernel runs: "avx512vnni" or "avx2".
 std::string isa() { return g_vnni ? "avx512vnni" : "avx2"; }
 
+// Whether products of `from_rows` rows or more run on AMX, with VNNI on; turns it off, or back on
+// where the CPU and the OS offer it.
+bool use_amx(bool on, int64_t from_rows) {
+  g_amx = on && kHasAmx;
+  g_amx_rows = std::max<int64_t>(1, from_rows);
+  return g_amx && g_vnni;
+}
+
 // Turns the VNNI path off (or back on, where the CPU has it); returns the instruction set now used.
 std::string use_vnni(bool on) {
   g_vnni = on && kHasVnni;
@@ -346,6 +475,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("init_threads", &at::internal::lazy_init_num_threads);
   m.def("isa", &isa);
   m.def("use_vnni", &use_vnni);
+  m.def("use_amx", &use_amx);
+  m.def("amx", [] { return g_amx && g_vnni; });
+  m.def("amx_rows", [] { return g_amx_rows; });
 }
 
 // The kernels, as torch operators (`torch.ops.specwire.*`), so that a compiled graph calls them
