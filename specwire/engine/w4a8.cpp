@@ -172,7 +172,8 @@ void tiles_vnni(const int8_t* q, const float* qsum, const float* row_scale, cons
 // integer, and the float steps after it are VNNI's: the same bits. One weight tile serves 16 rows
 // in one instruction where VNNI takes one a row, so several positions or sessions' rows read the
 // weights at about one row's cost (docs/engine.md). w4a8 stays on VNNI: its sums leave the tiles
-// every 32 inputs for their group's float steps, and tried that way it was slower than VNNI.
+// every 32 inputs for their group's float steps, and tried that way it was slower than VNNI up to
+// 40 rows and about even at 48.
 constexpr int kTileRows = 16;
 constexpr int kRowTiles = 3;                     // row tiles a pass: sums in tmm0-2, activations in tmm3-5, weights tmm6
 constexpr int kAmxRows = kTileRows * kRowTiles;  // rows a pass
@@ -345,6 +346,7 @@ bool g_amx = kHasAmx;
 // Products of fewer rows stay on VNNI: one row reads its weights as fast there, and a tile of
 // mostly empty rows buys nothing (`use_amx` sets it; both paths give the same bits).
 int64_t g_amx_rows = 4;
+bool amx_on() { return g_amx && g_vnni; }
 
 // Every row of a product over its weight tiles, `block` tiles a task (their weights stay in cache
 // while each pass of rows reads them): VNNI passes of up to 8 rows, `vnni(m, rows, t0, t1)`; else
@@ -433,7 +435,7 @@ torch::Tensor w8a8_linear(const torch::Tensor& q, const torch::Tensor& row_scale
   const int32_t* cp = colsum128.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
   const int64_t block = std::max<int64_t>(1, kBlockBytes / (kTile * K));
-  if (g_vnni && g_amx && M >= g_amx_rows && K % 64 == 0) {
+  if (amx_on() && M >= g_amx_rows && K % 64 == 0) {
     // AMX takes the activations unsigned (q + 128), as VNNI does, but from memory: one copy a call.
     const torch::Tensor shifted = torch::bitwise_xor(q, -128).view(torch::kUInt8);
     amx_passes(shifted.data_ptr<uint8_t>(), rs, wp, sp, cp, yp, M, K, N, T, block);
@@ -460,7 +462,7 @@ std::string isa() { return g_vnni ? "avx512vnni" : "avx2"; }
 bool use_amx(bool on, int64_t from_rows) {
   g_amx = on && kHasAmx;
   g_amx_rows = std::max<int64_t>(1, from_rows);
-  return g_amx && g_vnni;
+  return amx_on();
 }
 
 // Turns the VNNI path off (or back on, where the CPU has it); returns the instruction set now used.
@@ -476,7 +478,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa);
   m.def("use_vnni", &use_vnni);
   m.def("use_amx", &use_amx);
-  m.def("amx", [] { return g_amx && g_vnni; });
+  m.def("amx", &amx_on);
   m.def("amx_rows", [] { return g_amx_rows; });
 }
 
