@@ -220,6 +220,7 @@ class BenchConfig:
     draft_model: str
     prompts: list[str]
     quantize: str = "auto"  # the model services' --quantize
+    target_quantize: str | None = None  # the target's, where it differs
     prefix_cache: bool = True  # the model services' --prefix-cache (repeated prompts reuse their keys)
     target_threads: int = 0  # the target service's torch threads, and llama.cpp's; 0: all cores
     draft_threads: int = 0  # the draft service's torch threads; 0: the cores the target leaves (at least 1)
@@ -820,7 +821,7 @@ def stack_configs(config: BenchConfig, needed: set[str]) -> dict[str, StackConfi
     threads = config.target_threads or os.cpu_count() or 1
     cache_args = () if config.prefix_cache else ("--prefix-cache", "off")
     common = StackConfig(target_model=config.target_model, device=config.device, dtype=config.dtype,
-                         quantize=config.quantize, target_threads=threads,
+                         quantize=config.quantize, target_quantize=config.target_quantize, target_threads=threads,
                          draft_threads=config.draft_threads, extra_target_args=cache_args,
                          extra_draft_args=cache_args)
     common = replace(common, rtt_ms=config.rtt_ms)
@@ -1109,7 +1110,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--draft-model", help="draft model directory (default: TARGET/draft if there, else the demo draft)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantize", default="auto", help="the model services' --quantize (none, int8, int4, w4a8, auto)")
+    parser.add_argument("--quantize", default="auto", help="the model services' --quantize (none, int8, int4, w4a8, mixed, w8a8, auto)")
+    parser.add_argument("--target-quantize", help="the target service's --quantize where it differs from --quantize")
     parser.add_argument(
         "--prefix-cache", default="on", choices=["on", "off"],
         help="the model services' --prefix-cache: on, a prompt sent again (repeats, the solo runs) reuses its keys",
@@ -1171,6 +1173,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         medusa_choices=Path(args.medusa_choices).read_text() if args.medusa_choices else None,
         rtt_ms=args.rtt_ms,
         quantize=args.quantize,
+        target_quantize=args.target_quantize,
         prefix_cache=args.prefix_cache == "on",
         target_threads=args.target_threads,
         draft_threads=args.draft_threads,

@@ -153,7 +153,7 @@ def add_parser(commands: Any) -> None:
     parser = commands.add_parser("draft-quality")
     parser.add_argument("--target", required=True, help="target model directory")
     parser.add_argument("--draft", required=True, help="draft model directory (a trimmed-vocabulary one too)")
-    parser.add_argument("--quantize", default="none", help="comma-separated target modes: none, int8, int4, w4a8")
+    parser.add_argument("--quantize", default="none", help="comma-separated target modes: none, int8, int4, w4a8, mixed, w8a8")
     parser.add_argument("--windows", type=int, default=16, help="held-out windows scored")
     parser.add_argument("--window", type=int, default=256, help="tokens per window, its BOS included")
     parser.add_argument("--prompts", help="the bench's --prompts (default: the bench's own)")

@@ -126,7 +126,8 @@ def _add_model_service_flags(parser: argparse.ArgumentParser, role: str, port: i
 def _add_quantize_flag(parser: argparse.ArgumentParser, flag: str = "--quantize", whom: str = "the model") -> None:
     parser.add_argument(
         flag, default="auto", choices=list(QUANTIZE_MODES),
-        help=f"{whom}'s linear weights, on CPU: int8, int4, w4a8, or mixed (the LM head w4a8, the rest int8); "
+        help=f"{whom}'s linear weights, on CPU: int8, int4, w4a8, mixed (the LM head w4a8, the rest int8), "
+        "or w8a8 (all int8 through the w4a8 kernel's file, on AMX from 4 rows where the CPU has it); "
         "auto = none for a model in the CPU's caches, else mixed where the w4a8 kernel runs "
         "(AVX2 or AVX-512 VNNI), int4 or int8 elsewhere; none on CUDA",
     )
@@ -303,6 +304,8 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     _add_quantize_flag(parser, whom="each model service")
+    parser.add_argument("--target-quantize", choices=list(QUANTIZE_MODES),
+                        help="the target's --quantize where it differs from --quantize (e.g. w8a8 for many streams)")
     parser.add_argument("--target-threads", type=int, default=0, help="the target's torch threads (0: cores split between the services)")
     parser.add_argument("--draft-threads", type=int, default=0, help="the draft's torch threads (0: cores split between the services)")
     parser.add_argument("--trace-dir", help="each service writes its spans to DIR/<service>.jsonl")
@@ -484,6 +487,7 @@ def _stack_config(args: argparse.Namespace) -> Any:
         device=args.device,
         dtype=args.dtype,
         quantize=args.quantize,
+        target_quantize=args.target_quantize,
         target_threads=args.target_threads,
         draft_threads=args.draft_threads,
         extra_target_args=_stack_telemetry_args(args, "target", 2),

@@ -44,6 +44,7 @@ class StackConfig:
     extra_orchestrator_args: tuple[str, ...] = ()
     medusa: str | None = None  # the target's Medusa heads directory (`--medusa`)
     quantize: str = "auto"  # the model services' --quantize
+    target_quantize: str | None = None  # the target's, where it differs (None: `quantize`)
     # Torch threads of the target service (each replica) and of the draft; 0: the machine's
     # cores split evenly between the model services.
     target_threads: int = 0
@@ -211,6 +212,8 @@ class Stack:
         model_args = ["--device", c.device, "--dtype", c.dtype, "--host", c.host, "--quantize", c.quantize]
         target_tls, draft_tls, orchestrator_tls = _tls_args(c)
         target_args = [*model_args, "--threads", str(c.target_threads or threads), *target_tls, *c.extra_target_args]
+        if c.target_quantize:
+            target_args += ["--quantize", c.target_quantize]  # the last --quantize counts
         if c.target_model:
             target_args += ["--model", c.target_model]
         if c.medusa:

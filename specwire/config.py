@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from specwire.security import ClientTLS, ServerTLS
 
-QUANTIZE_MODES = ("none", "int8", "int4", "w4a8", "mixed", "auto")  # --quantize (`engine.quantize`)
+QUANTIZE_MODES = ("none", "int8", "int4", "w4a8", "mixed", "w8a8", "auto")  # --quantize (`engine.quantize`)
 
 
 def compile_default() -> str:

@@ -207,6 +207,20 @@ class ModelServiceMetrics:
             "Prompt positions found in kept slot-cache rows instead of computed, since the start", registry=r
         )
 
+    def watch_batches(self, stats: Callable[[], Any]) -> None:
+        """Read the forward thread's totals (`SchedulerStats`) at every scrape: rows ÷ forwards is
+        how full the batches run (a speculative stream out of step with the others halves it)."""
+        r = self.registry
+        for name, text, read in (
+            ("specwire_engine_forwards", "Forwards the engine ran since the start (a fused call counts its steps)",
+             lambda: stats().forwards),
+            ("specwire_engine_forward_rows", "Rows over all those forwards (÷ forwards: rows a forward)",
+             lambda: stats().rows),
+            ("specwire_engine_widest_forward_rows", "The most rows one forward has taken", lambda: stats().max_rows),
+            ("specwire_engine_busy_seconds", "Time the forward thread spent in forwards", lambda: stats().busy_s),
+        ):
+            Gauge(name, text, registry=r).set_function(read)
+
     def describe(self, role: str, model: str, device: str, dtype: str) -> None:
         self.info.info({"role": role, "model": model, "device": device, "dtype": dtype})
 

@@ -94,6 +94,9 @@ async def run(config: ModelServiceConfig, build_backend: BackendFactory) -> None
             cache = getattr(backend, "cache", None)
             if cache is not None:
                 metrics.watch_cache(cache.usage)
+            scheduler = getattr(backend, "scheduler", None)
+            if scheduler is not None:
+                metrics.watch_batches(lambda: scheduler.stats)
 
     metrics_server = serve_metrics(metrics.registry, config.host, observe.metrics_port) if metrics else None
     try:

@@ -107,7 +107,8 @@ def prompt_logits(backend: Engine, prompt_ids: list[int]) -> torch.Tensor:
 # The cosine bounds: random weights at 4 bits (mixed: the head's only).
 @pytest.mark.parametrize(
     "mode, kind, cosine",
-    [("int8", Int8Linear, 0.995), ("int4", Int4Linear, 0.95), ("w4a8", W4A8Linear, 0.95), ("mixed", W4A8Linear, 0.95)],
+    [("int8", Int8Linear, 0.995), ("int4", Int4Linear, 0.95), ("w4a8", W4A8Linear, 0.95), ("mixed", W4A8Linear, 0.95),
+     ("w8a8", W8A8Linear, 0.995)],
 )
 def test_quantised_outputs_equal_their_solo_runs_under_batching(
     models_dir: Path, tokenizer: Any, mode: str, kind: type, cosine: float
@@ -119,7 +120,7 @@ def test_quantised_outputs_equal_their_solo_runs_under_batching(
     backend = engine(path, mode)
     assert backend.lm.quantization == mode
     assert isinstance(backend.lm.model.get_output_embeddings(), kind)
-    if mode == "mixed":
+    if mode in ("mixed", "w8a8"):
         assert isinstance(backend.lm.model.model.layers[0].mlp.down_proj, W8A8Linear)
     runs = [tokenizer(prompt).input_ids for prompt in PROMPTS] * 2
     solo = [generate(backend, ids) for ids in runs]

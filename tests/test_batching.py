@@ -288,6 +288,7 @@ def test_cache_use_is_reported_in_info_and_metrics(llama_target_dir: Path) -> No
     assert lean.cache is not None
     metrics = ModelServiceMetrics("target", process_metrics=False)
     metrics.watch_cache(lean.cache.usage)
+    metrics.watch_batches(lambda: lean.scheduler.stats)
     session = lean.new_session()
     session.open(OpenRequest(prompt_ids=[1, 2, 3, 4, 5], num_branches=2, scoring=Scoring(ScoreKind.ARGMAX)))
     info = wire.info_from_pb(wire.info_to_pb(lean.info()))  # what a caller of Info sees
@@ -298,6 +299,10 @@ def test_cache_use_is_reported_in_info_and_metrics(llama_target_dir: Path) -> No
     assert sample("specwire_kv_cache_rows", {"state": "in_use"}) == 2
     assert sample("specwire_kv_cache_rows", {"state": "free"}) == 2
     assert sample("specwire_kv_cache_slot_tokens") == 10
+    stats = lean.scheduler.stats  # the open's prefill: one forward of its two branches
+    assert stats.forwards >= 1 and stats.max_rows == 2
+    assert (sample("specwire_engine_forwards"), sample("specwire_engine_forward_rows")) == (stats.forwards, stats.rows)
+    assert sample("specwire_engine_widest_forward_rows") == 2 and sample("specwire_engine_busy_seconds") > 0
     session.close()
     assert sample("specwire_kv_cache_rows", {"state": "in_use"}) == 0
 

@@ -15,6 +15,9 @@ the embedding, which stays as it is) for one of:
   other linear int8 × int8 through the same kernel file (`W8A8Linear`). Gemma-3-270M's layers
   lose much at 4 bits and its head little (docs/engine.md, "Quantised weights": held-out
   perplexity 32.0 float, 35.4 int8, 34.6 mixed, 44.9 w4a8).
+- `w8a8`: every linear, the LM head included, int8 × int8 through that kernel. The head reads
+  twice mixed's bytes, but its products of 4 rows or more run on AMX where the CPU has it: for
+  servers that verify many rows at once (many sessions, each with drafts).
 `auto` picks by the device and the model's size (docs/engine.md): on CPU none below 32 MiB of
 float linear weights, then mixed where the w4a8 kernel runs (AVX2 or AVX-512 VNNI), else int4
 or int8 as the weights grow; none (bfloat16) on CUDA.
@@ -39,7 +42,7 @@ log = logging.getLogger("specwire")
 
 # Modes that round activations (int8 per row, int4 through bfloat16): ~1e-7 differences upstream
 # can flip a rounding, so the engine keeps each row's arithmetic independent of its batch.
-ACTIVATION_QUANTISED = ("int8", "int4", "w4a8", "mixed")
+ACTIVATION_QUANTISED = ("int8", "int4", "w4a8", "mixed", "w8a8")
 INT4_GROUP = 32
 W4A8_GROUP = 32  # inputs a group; 32, 64 or 128 (the kernel sums 32 inputs in int16)
 W4A8_TILE = 16  # output channels a tile in w4a8.cpp's layout
@@ -89,7 +92,7 @@ def resolve(mode: str, device: torch.device, model: nn.Module | None = None, cap
         return "int4" if grouped and (size < AUTO_INT8_BYTES or not onednn) else "int8" if onednn else "none"
     if mode != "none" and device.type != "cpu":
         raise ValueError(f"--quantize {mode} runs on CPU (oneDNN / int4 CPU kernels); on {device.type} use none")
-    if mode in ("w4a8", "mixed"):
+    if mode in ("w4a8", "mixed", "w8a8"):
         w4a8_kernel()  # fails here, with its reason, rather than at the first forward
     if mode == "mixed" and model is not None and not _head_fits_w4a8(model):
         raise ValueError(f"--quantize mixed needs an output layer whose input size divides by {W4A8_GROUP}")
@@ -441,12 +444,12 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 def quantize(model: Any, mode: str) -> int:
-    """Swap the model's linear layers for `mode`'s (int8, int4, w4a8 or mixed), in place; the number swapped."""
+    """Swap the model's linear layers for `mode`'s (int8, int4, w4a8, mixed or w8a8), in place; the number swapped."""
     if mode == "none":
         return 0
     # The kinds whose one GEMM serves a group of projections of one input.
     fusable: dict[str, type[Int8Linear] | type[W4A8Linear] | type[W8A8Linear]] = {
-        "int8": Int8Linear, "w4a8": W4A8Linear, "mixed": W8A8Linear}
+        "int8": Int8Linear, "w4a8": W4A8Linear, "mixed": W8A8Linear, "w8a8": W8A8Linear}
     kind: type[nn.Module] = Int4Linear if mode == "int4" else fusable[mode]
     head = _output_layer(model) if mode == "mixed" else None
     count = len(_linears(model))

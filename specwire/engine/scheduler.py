@@ -655,6 +655,8 @@ class Scheduler:
                         waiting.finish()
                     self._calls = []
                     return
+                if not self._calls:
+                    self._awaited |= self._due()
                 if self._awaited and not self._calls:
                     self._arrived.wait_for(lambda: not self._awaited or bool(self._calls), timeout=self._last_forward_s / 2)
                     if not self._calls:
@@ -708,6 +710,16 @@ class Scheduler:
                 job.done = True
                 self._expect_back(job)
                 job._wake.set()
+
+    def _due(self) -> set[int]:
+        """Owners away whose usual return (`_return_s`) falls within half a forward of now:
+        sessions that left together come back together (a speculative round's verifications all
+        answered by one forward, then each session's draft step), so a forward for the first of
+        them waits for the rest rather than splitting them into groups. One later than that is
+        not waited for again."""
+        now, half = time.perf_counter(), self._last_forward_s / 2
+        return {owner for owner, left in self._served_at.items()
+                if abs(left + self._return_s.get(owner, float("inf")) - now) <= half}
 
     def _expect_back(self, job: ForwardJob) -> None:
         """`job` ended: await its owner before the next forward where it has been back within
