@@ -64,6 +64,9 @@ PREFILL_CHUNK = 64
 # is a plain greedy round (`ForwardJob.fuse_greedy`) or a sampled one fused steps can draw for
 # (`ForwardJob.sampling`), as many as at least half of its rows have left, 2 at the least (`_fused`).
 FUSED_STEPS = 4
+# A session away for t (its usual time between jobs) is due back within DUE_SHARE·t of then, or
+# half a forward where that is more (`Scheduler._due`).
+DUE_SHARE = 0.1
 # The forward thread exits after this long without a job, and a new one starts with the next.
 IDLE_EXIT_S = 5.0
 T = TypeVar("T")
@@ -655,10 +658,11 @@ class Scheduler:
                         waiting.finish()
                     self._calls = []
                     return
-                if not self._calls:
-                    self._awaited |= self._due()
+                due, wait_s = self._due() if not self._calls else (set(), 0.0)
+                self._awaited |= due
                 if self._awaited and not self._calls:
-                    self._arrived.wait_for(lambda: not self._awaited or bool(self._calls), timeout=self._last_forward_s / 2)
+                    self._arrived.wait_for(lambda: not self._awaited or bool(self._calls),
+                                           timeout=max(self._last_forward_s / 2, wait_s))
                     if not self._calls:
                         self._awaited.clear()  # the late ones join a later forward
                 calls, self._calls = self._calls, []
@@ -711,15 +715,24 @@ class Scheduler:
                 self._expect_back(job)
                 job._wake.set()
 
-    def _due(self) -> set[int]:
-        """Owners away whose usual return (`_return_s`) falls within half a forward of now:
+    def _due(self) -> tuple[set[int], float]:
+        """Owners away whose usual return (`_return_s`) falls within its slack of now (DUE_SHARE
+        of their time away, or half a forward), and how long to wait for the last of them:
         sessions that left together come back together (a speculative round's verifications all
         answered by one forward, then each session's draft step), so a forward for the first of
-        them waits for the rest rather than splitting them into groups. One later than that is
-        not waited for again."""
+        them waits for the rest rather than splitting them into groups. One later than its slack
+        is not waited for again."""
         now, half = time.perf_counter(), self._last_forward_s / 2
-        return {owner for owner, left in self._served_at.items()
-                if abs(left + self._return_s.get(owner, float("inf")) - now) <= half}
+        due, wait_s = set(), 0.0
+        for owner, left in self._served_at.items():
+            away = self._return_s.get(owner)
+            if away is None:
+                continue
+            slack = max(half, DUE_SHARE * away)
+            if abs(left + away - now) <= slack:
+                due.add(owner)
+                wait_s = max(wait_s, left + away + slack - now)
+        return due, wait_s
 
     def _expect_back(self, job: ForwardJob) -> None:
         """`job` ended: await its owner before the next forward where it has been back within
