@@ -744,10 +744,6 @@ def test_a_forward_waits_for_the_sessions_due_back_and_no_others(llama_target_di
     """`Scheduler._due`: an owner away for its usual time ± its slack (a tenth of that time, or
     half a forward) is waited for, until the end of its slack; one not yet due, one long
     overdue, and one never seen back are not."""
-    import time
-
-    from specwire.engine import scheduler as sched
-
     lean = engine(llama_target_dir, max_batch_rows=4, max_cache_len=64)
     s = lean.scheduler
     now = time.perf_counter()
@@ -756,5 +752,5 @@ def test_a_forward_waits_for_the_sessions_due_back_and_no_others(llama_target_di
     s._return_s = {1: 0.041, 2: 0.040, 3: 0.040}  # 1 due in 1 ms; 2 in 30 ms; 3 60 ms late; 4 unknown
     due, wait_s = s._due()
     assert due == {1}
-    assert abs(wait_s - (0.001 + max(0.005, sched.DUE_SHARE * 0.041))) < 1e-3  # to the end of its slack
+    assert abs(wait_s - (0.001 + max(0.005, scheduler.DUE_SHARE * 0.041))) < 1e-3  # to the end of its slack
     s._served_at, s._return_s = {}, {}

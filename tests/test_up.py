@@ -7,9 +7,10 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from specwire.client import Client
-from specwire.client.launcher import StackConfig, free_base_port, shares_cores
+from specwire.client.launcher import Stack, StackConfig, free_base_port, shares_cores
 
 ROOT = Path(__file__).resolve().parent.parent
 pytest_plugins = ["tests.medusa_fixtures"]  # `--medusa` passes the heads on to the target
@@ -62,3 +63,16 @@ def test_pipelined_drafting_is_turned_off_where_the_model_services_share_the_cpu
     assert shares_cores(StackConfig(device="cpu", target_replicas=2), threads=1, cores=2)
     assert not shares_cores(StackConfig(device="cpu", target_threads=2, rtt_ms=20.0), threads=1, cores=2)
     assert not shares_cores(StackConfig(device="cuda", target_threads=2), threads=1, cores=2)
+
+
+def test_the_target_gets_its_own_quantize_mode_and_the_draft_the_stacks(monkeypatch: Any) -> None:
+    """`specwire up --quantize mixed --target-quantize w8a8`: one --quantize per service, each its own."""
+    commands: dict[str, list[str]] = {}
+    monkeypatch.setattr(Stack, "_spawn", lambda self, role, command, *args, **kwargs: commands.__setitem__(role, command))
+    monkeypatch.setattr(Stack, "_wait", lambda self, roles, timeout: None)
+    Stack(StackConfig(device="cpu", quantize="mixed", target_quantize="w8a8")).start()
+    for role, mode in (("target", "w8a8"), ("draft", "mixed")):
+        command = commands[role]
+        assert command.count("--quantize") == 1 and command[command.index("--quantize") + 1] == mode
+    Stack(StackConfig(device="cpu", quantize="int8")).start()
+    assert all(commands[role][commands[role].index("--quantize") + 1] == "int8" for role in ("target", "draft"))
