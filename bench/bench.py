@@ -1040,6 +1040,9 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             "target_threads": config.target_threads or os.cpu_count(),
             "draft_threads": config.draft_threads or None,
             "llamacpp_gguf": home_as_tilde(str(llama.gguf)) if llama is not None else None,
+            # The heads the Medusa rows ran with: Medusa heads or a feature drafter move them.
+            "medusa": (model_label(config.medusa, demo_medusa_dir())
+                       if config.medusa and set(MEDUSA_ROWS) & set(config.rows) else None),
             "seed": config.seed,
             "row_order_per_repeat": order_log,
             "timing": "wall time around each call, summed over the prompts of a repeat; medians and min/max over repeats",

@@ -111,7 +111,8 @@ def setup(meta: dict[str, Any]) -> str:
         f"{meta['device']} {meta['dtype']}; target {meta['parameters']['target'] / 1e6:.1f}M / draft "
         f"{meta['parameters']['draft'] / 1e6:.1f}M parameters; one cached forward in process, unquantised: target "
         f"{forward['target_forward_ms']:.2f} ms, draft {forward['draft_forward_ms']:.2f} ms "
-        f"(c = {forward['cost_ratio_c_direct']:.2f}){served}."
+        f"(c = {forward['cost_ratio_c_direct']:.2f}){served}"
+        + (f"; the target's heads: `{meta['medusa']}`" if meta.get("medusa") else "") + "."
     )
 
 

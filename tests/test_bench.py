@@ -139,7 +139,7 @@ def bench_report(llama_target_dir: Path, llama_draft_dir: Path, llama_heads_dir:
 BENCH_ROWS = tuple(name for name in bench.ROW_NAMES if name != "llamacpp")
 
 
-def test_bench_reports_every_row_and_field(bench_report: dict[str, Any]) -> None:
+def test_bench_reports_every_row_and_field(bench_report: dict[str, Any], llama_heads_dir: Path) -> None:
     rows = {row["name"]: row for row in bench_report["rows"]}
     assert list(rows) == list(BENCH_ROWS)
     for row in rows.values():
@@ -153,6 +153,8 @@ def test_bench_reports_every_row_and_field(bench_report: dict[str, Any]) -> None
     assert (meta["prompts"], meta["max_new_tokens"], meta["repeats"], meta["gamma"]) == (2, 8, 1, 4)
     assert meta["machine"]["cpu_count"] and meta["parameters"]["target"] > meta["parameters"]["draft"] > 0
     assert meta["single_forward"]["target_forward_ms"] > 0 and meta["single_forward"]["cost_ratio_c_direct"] > 0
+    assert meta["medusa"] == bench.home_as_tilde(str(llama_heads_dir))  # the heads the Medusa rows ran with
+    assert f"the target's heads: `{meta['medusa']}`" in report.render(bench_report)
     json.dumps(bench_report)  # serialisable as is
 
 
