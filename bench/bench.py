@@ -118,6 +118,7 @@ from specwire.client.launcher import Stack, StackConfig, free_base_port
 from specwire.client.pair import pair_heads
 from specwire.orchestrator.speedup import alpha_estimate, predicted_speedup
 
+from specwire.config import QUANTIZE_MODES
 from specwire.demo import demo_draft_dir, demo_medusa_dir, demo_target_dir
 from specwire.session import ModelInfo
 
@@ -1113,7 +1114,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--draft-model", help="draft model directory (default: TARGET/draft if there, else the demo draft)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantize", default="auto", help="the model services' --quantize (none, int8, int4, w4a8, mixed, w8a8, auto)")
+    parser.add_argument("--quantize", default="auto", help=f"the model services' --quantize ({', '.join(QUANTIZE_MODES)})")
     parser.add_argument("--target-quantize", help="the target service's --quantize where it differs from --quantize")
     parser.add_argument(
         "--prefix-cache", default="on", choices=["on", "off"],

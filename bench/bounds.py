@@ -47,6 +47,7 @@ from specwire.bench.shapes import SHAPES, random_lm
 from specwire.orchestrator.speedup import expected_tokens_per_round, forward_cost_at
 from specwire.target_service.tune_medusa_tree import measure as tune
 
+from specwire.config import QUANTIZE_MODES
 from specwire.demo import demo_draft_dir, demo_medusa_dir, demo_target_dir
 from specwire.engine import CausalLM, Engine, EngineLimits
 from specwire.engine.model import resolve_device, resolve_dtype
@@ -232,7 +233,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--positions", type=positions_list, default=POSITIONS,
                         help="the target's forward is timed at these new positions, comma-separated (1 always)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a service's share of the cores)")
-    parser.add_argument("--quantize", default="auto", help="both models' --quantize (none, int8, int4, w4a8, auto)")
+    parser.add_argument("--quantize", default="auto", help=f"both models' --quantize ({', '.join(QUANTIZE_MODES)})")
     parser.add_argument("--repeats", type=int, default=31)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", help="also write the JSON report here")

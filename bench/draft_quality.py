@@ -33,6 +33,7 @@ from specwire.bench.quality import greedy, held_out_windows, last_logits, window
 from specwire.draft_service.self_text import continuation
 
 from specwire.acceptance import block_ends
+from specwire.config import QUANTIZE_MODES
 from specwire.engine import CausalLM, Engine, EngineLimits
 from specwire.processing import ProcessingConfig, sampling_probs
 
@@ -153,7 +154,7 @@ def add_parser(commands: Any) -> None:
     parser = commands.add_parser("draft-quality")
     parser.add_argument("--target", required=True, help="target model directory")
     parser.add_argument("--draft", required=True, help="draft model directory (a trimmed-vocabulary one too)")
-    parser.add_argument("--quantize", default="none", help="comma-separated target modes: none, int8, int4, w4a8, mixed, w8a8")
+    parser.add_argument("--quantize", default="none", help=f"comma-separated target modes: {', '.join(QUANTIZE_MODES)}")
     parser.add_argument("--windows", type=int, default=16, help="held-out windows scored")
     parser.add_argument("--window", type=int, default=256, help="tokens per window, its BOS included")
     parser.add_argument("--prompts", help="the bench's --prompts (default: the bench's own)")

@@ -45,7 +45,7 @@ class ModelServiceConfig:
     engine: str = "batched"  # "batched" (slot cache, batching scheduler) or "hf" (transformers' forward)
     # torch.compile of the batched forward: auto (where it pays), on, off; see compile_default
     compile: str = field(default_factory=compile_default)
-    quantize: str = "auto"  # linear weights: none, int8, int4, w4a8, auto (specwire.engine.quantize)
+    quantize: str = "auto"  # linear weights: one of QUANTIZE_MODES (specwire.engine.quantize)
     gguf_file: str | None = None  # with a directory `model`: the GGUF file in it
     threads: int = 0  # torch's intra-op threads; 0 = torch's default (every core)
     drafter: str = "model"  # draft only: "model" or "ngram"

@@ -202,7 +202,7 @@ class ModelInfo:
     # and ms a token of an 8-token greedy round. Empty / 0 when not measured.
     forward_costs: list[tuple[int, float]] = field(default_factory=list)
     decode_ms_per_token: float = 0.0
-    quantization: str = "none"  # the linear weights: none, int8, int4, w4a8
+    quantization: str = "none"  # the linear weights: a resolved --quantize mode (not auto)
     compiled: bool = False  # forwards run compiled code now
     compiling: bool = False  # the background compiler is at work (serving is slower meanwhile)
     medusa_choices: str = ""  # the heads' tuned tree (JSON paths), "" = none
