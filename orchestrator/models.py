@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from opentelemetry.trace import SpanKind
@@ -17,6 +17,7 @@ from specwire.v1 import model_pb2, model_pb2_grpc
 
 from specwire import telemetry, wire
 from specwire.errors import StatusError, Unavailable
+from specwire.model_service import posted
 from specwire.serving import CHANNEL_OPTIONS
 from specwire.session import Backend, BackendSession, ModelInfo, ModelSession, OpenRequest, StepRequest, StepResult
 
@@ -242,26 +243,41 @@ class RemoteModel:
 
 
 class LocalSession:
-    """A `ModelSession` straight into an in-process backend session (tests, experiments)."""
+    """A `ModelSession` straight into an in-process backend session (tests, experiments): no
+    messages, so a round costs the forwards and the orchestrator alone."""
 
-    def __init__(self, session: BackendSession, stats: CallStats) -> None:
+    def __init__(self, session: BackendSession, stats: CallStats, batches: bool = False) -> None:
         self._session = session
         self._stats = stats
+        self._batches = batches
 
     async def open(self, request: OpenRequest) -> StepResult:
-        return self._timed(self._session.open, request)
+        return await self._timed(self._session.open, request, lone=False)
 
     async def step(self, request: StepRequest) -> StepResult:
-        return self._timed(self._session.step, request)
+        return await self._timed(self._session.step, request, lone=True)
 
-    def _timed(self, handler: object, request: object) -> StepResult:
+    async def _timed(self, handler: Callable[[Any], StepResult], request: object, lone: bool) -> StepResult:
         with self._stats.clock.waiting() as wait:
-            result: StepResult = handler(request)  # type: ignore[operator]
+            result = await self._run(handler, request, lone)
         elapsed_s = wait.elapsed_s
         # Timed here, at the boundary, as the servicer times a remote call: no network in between.
         result.timing.compute_us = int(elapsed_s * 1e6)
         self._stats.record(elapsed_s, result, 0, 0)
         return result
+
+    async def _run(self, handler: Callable[[Any], StepResult], request: object, lone: bool) -> StepResult:
+        """As the servicer runs a message: a lone session's step straight on its engine's forward
+        thread (`EngineSession.post`), an opening (which may wait for rows others hold: never on
+        that thread) and other batched work on a thread of its own, so that the sessions of one
+        event loop still meet in the scheduler; an unbatched backend's here."""
+        if not self._batches:
+            return handler(request)
+        post = getattr(self._session, "post", None) if lone else None
+        future = posted(post, lambda: handler(request)) if post is not None else None
+        if future is not None:
+            return await future
+        return await asyncio.to_thread(handler, request)
 
     async def close(self) -> None:
         self._session.close()
@@ -276,7 +292,7 @@ class LocalModel:
         self.info = backend.info()
 
     def session(self, stats: CallStats) -> ModelSession:
-        return LocalSession(self.backend.new_session(), stats)
+        return LocalSession(self.backend.new_session(), stats, getattr(self.backend, "batches", False))
 
     async def close(self) -> None:
         return None

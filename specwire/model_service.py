@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry.trace import Span, SpanKind
@@ -31,6 +31,8 @@ from specwire.startup import StartupTimes
 from specwire.v1 import model_pb2, model_pb2_grpc
 
 log = logging.getLogger("specwire")
+
+T = TypeVar("T")
 SERVICE_NAME = model_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name
 
 
@@ -235,17 +237,23 @@ class ModelServicer(model_pb2_grpc.ModelServiceServicer):
             reply.timing.compute_us = int((time.perf_counter() - started) * 1e6)
             return reply
 
-        loop = asyncio.get_running_loop()
-        if post is not None:
-            future: asyncio.Future[model_pb2.SessionReply] = loop.create_future()
+        future = posted(post, job) if post is not None else None
+        if future is not None:
+            return await future
+        return await asyncio.get_running_loop().run_in_executor(executor, job)
 
-            def then(reply: model_pb2.SessionReply | None, error: BaseException | None) -> None:
-                with contextlib.suppress(RuntimeError):  # the loop closed: nobody awaits the reply
-                    loop.call_soon_threadsafe(_settle, future, reply, error)
 
-            if post(job, then):
-                return await future
-        return await loop.run_in_executor(executor, job)
+def posted(post: Callable[..., bool], work: Callable[[], T]) -> asyncio.Future[T] | None:
+    """`work` handed to the forward thread through `post` (`EngineSession.post`), its result a
+    future of the running loop; None where the session does not take it (not alone)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def then(result: T | None, error: BaseException | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody awaits the result
+            loop.call_soon_threadsafe(_settle, future, result, error)
+
+    return future if post(work, then) else None
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

@@ -81,3 +81,20 @@ def test_multi_step_sampling_reproduces_from_the_seed(llama_target_dir: Path) ->
         return asyncio.run(decoder.generate(request)).token_ids
     assert run(4) == run(4)
     assert run(4) != run(5)
+
+
+def test_concurrent_in_process_sessions_equal_their_solo_runs(local_decoder: Decoder) -> None:
+    """Sessions of one event loop meet in the engines' schedulers (one alone runs on the forward
+    thread, the others from threads of their own) and get their solo tokens."""
+    prompts = ["def add(a, b):", "import os", "class Point:", "for i in range(10):"]
+    kinds: list[dict[str, Any]] = [{"strategy": "greedy"}, {"strategy": "speculative", "num_speculative_tokens": 3},
+                                   {"strategy": "sample", "seed": 7, "top_k": 20}, {"strategy": "speculative"}]
+    requests = [build_request(prompt=p, max_new_tokens=24, ignore_eos=True, **k) for p, k in zip(prompts, kinds, strict=True)]
+    solo = [asyncio.run(local_decoder.generate(r)).token_ids for r in requests]
+
+    async def together() -> list[list[int]]:
+        results = await asyncio.gather(*(local_decoder.generate(r) for r in requests))
+        return [result.token_ids for result in results]
+
+    assert asyncio.run(together()) == solo
+    assert all(len(tokens) == 24 for tokens in solo)
