@@ -252,28 +252,29 @@ class LocalSession:
         self._batches = batches
 
     async def open(self, request: OpenRequest) -> StepResult:
-        return await self._timed(self._session.open, request, lone=False)
+        return await self._timed(self._session.open, request, None)
 
     async def step(self, request: StepRequest) -> StepResult:
-        return await self._timed(self._session.step, request, lone=True)
+        return await self._timed(self._session.step, request, getattr(self._session, "post", None))
 
-    async def _timed(self, handler: Callable[[Any], StepResult], request: object, lone: bool) -> StepResult:
+    async def _timed(self, handler: Callable[[Any], StepResult], request: object,
+                     post: Callable[..., bool] | None) -> StepResult:
         with self._stats.clock.waiting() as wait:
-            result = await self._run(handler, request, lone)
+            result = await self._run(handler, request, post)
         elapsed_s = wait.elapsed_s
         # Timed here, at the boundary, as the servicer times a remote call: no network in between.
         result.timing.compute_us = int(elapsed_s * 1e6)
         self._stats.record(elapsed_s, result, 0, 0)
         return result
 
-    async def _run(self, handler: Callable[[Any], StepResult], request: object, lone: bool) -> StepResult:
+    async def _run(self, handler: Callable[[Any], StepResult], request: object,
+                   post: Callable[..., bool] | None) -> StepResult:
         """As the servicer runs a message: a lone session's step straight on its engine's forward
         thread (`EngineSession.post`), an opening (which may wait for rows others hold: never on
         that thread) and other batched work on a thread of its own, so that the sessions of one
         event loop still meet in the scheduler; an unbatched backend's here."""
         if not self._batches:
             return handler(request)
-        post = getattr(self._session, "post", None) if lone else None
         future = posted(post, lambda: handler(request)) if post is not None else None
         if future is not None:
             return await future

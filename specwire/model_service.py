@@ -31,8 +31,8 @@ from specwire.startup import StartupTimes
 from specwire.v1 import model_pb2, model_pb2_grpc
 
 log = logging.getLogger("specwire")
-
 T = TypeVar("T")
+
 SERVICE_NAME = model_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name
 
 
